@@ -1,0 +1,381 @@
+"""Configuration: frozen dataclasses validated at construction.
+
+A bad value raises `ValueError` whose message names the field, the value and the rule, e.g.
+``CacheConfig.ring_len=24: must be a power of two >= 16``. A configuration the library does not
+implement yet (mixture-of-experts MLPs, scaled RoPE, attention biases) raises
+`NotImplementedError` naming the field that asks for it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+LAYOUTS = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+LAYER_TYPES = ("linear_attention", "full_attention")
+DTYPES = ("float32", "bfloat16")
+FOLD_POLICIES = ("every", "lazy")
+
+_MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+_ARCHITECTURES = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+
+
+def _fail(cls: str, field: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{cls}.{field}={value!r}: {rule}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Shapes and hyper-parameters of a dense GDN-hybrid target (Qwen3.5 / Qwen3-Next).
+
+    `layout` is the HF checkpoint layout the config was read from and is written back in:
+      - "qwen3_5": the released `Qwen3_5ForConditionalGeneration` (text fields under
+        "text_config", rope under text_config["rope_parameters"], weights under
+        "model.language_model.", lm_head at "lm_head.weight");
+      - "qwen3_5_text": text-only `Qwen3_5ForCausalLM` (flat fields, "rope_parameters",
+        weights under "model.");
+      - "qwen3_next": `Qwen3NextForCausalLM` (flat fields, rope_theta and
+        partial_rotary_factor at the top level, fused key-head-grouped GDN projections).
+    Layer i is `layer_types[i]` ("linear_attention" = Gated DeltaNet, "full_attention" = gated
+    GQA attention). GDN dims: H = linear_num_key_heads, HV = linear_num_value_heads,
+    K = linear_key_head_dim, V = linear_value_head_dim, W = linear_conv_kernel_dim.
+    `eos_token_id` is a tuple (empty when the checkpoint names none). The instance is
+    hashable, so it can be a static argument of a jitted function.
+    """
+
+    layout: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # Sequences given as lists become tuples so the config stays hashable.
+        for name in ("layer_types", "eos_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise _fail("TargetConfig", name, value, "must be a sequence")
+            object.__setattr__(self, name, tuple(value))
+        self._validate()
+
+    def _validate(self):
+        def bad(field, rule):
+            return _fail("TargetConfig", field, getattr(self, field), rule)
+
+        if self.layout not in LAYOUTS:
+            raise bad("layout", f"must be one of {LAYOUTS}")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel_dim",
+                      "max_position_embeddings"):
+            value = getattr(self, field)
+            if not _is_int(value) or value <= 0:
+                raise bad(field, "must be a positive int")
+        for field in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            if not _is_real(getattr(self, field)) or not getattr(self, field) > 0:
+                raise bad(field, "must be a positive number")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad("layer_types", f"must have num_hidden_layers={self.num_hidden_layers} "
+                                     "entries")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise bad("layer_types", f"every entry must be one of {LAYER_TYPES}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise bad("linear_num_value_heads", "must be a multiple of "
+                      f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", "must divide "
+                      f"num_attention_heads={self.num_attention_heads}")
+        if self.partial_rotary_factor > 1:
+            raise bad("partial_rotary_factor", "must be in (0, 1]")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise bad("partial_rotary_factor", f"rotary_dim = int(partial_rotary_factor * "
+                      f"head_dim) = {self.rotary_dim} must be even and >= 2")
+        if self.linear_conv_kernel_dim < 2:
+            raise bad("linear_conv_kernel_dim", "must be >= 2")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise bad("tie_word_embeddings", "must be a bool")
+        if any(not _is_int(t) or not 0 <= t < self.vocab_size for t in self.eos_token_id):
+            raise bad("eos_token_id",
+                      f"every id must be an int in [0, vocab_size={self.vocab_size})")
+
+    # ------------------------------------------------------------------ derived shapes
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each attention head that get rotary embedding."""
+        return int(self.partial_rotary_factor * self.head_dim)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        """Indices of the linear-attention (Gated DeltaNet) layers, ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers, ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        """GDN conv channels C = 2*H*K + HV*V, ordered [q (H*K) | k (H*K) | v (HV*V)]."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def value_heads_per_key(self) -> int:
+        """r = HV // H: value head hv reads key head hv // r."""
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    # ------------------------------------------------------------------ HF config.json
+
+    @classmethod
+    def from_hf(cls, d: dict) -> TargetConfig:
+        """Read a HuggingFace config dict in any of the three layouts (see the class doc).
+
+        Without `layer_types`, layer i is full attention iff (i+1) % full_attention_interval
+        == 0 (default interval 4); without `head_dim`, head_dim = hidden_size //
+        num_attention_heads. `eos_token_id` may be an int, a list or null.
+        """
+        model_type = d.get("model_type")
+        if model_type in _MOE_MODEL_TYPES:
+            raise NotImplementedError(f"model_type={model_type!r}: mixture-of-experts targets "
+                                      "are not supported yet")
+        if model_type == "qwen3_5":
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"text_config={text!r}: a model_type 'qwen3_5' config must "
+                                 "hold its text model under text_config")
+            text_type = text.get("model_type", "qwen3_5_text")
+            if text_type in _MOE_MODEL_TYPES:
+                raise NotImplementedError(f"text_config.model_type={text_type!r}: "
+                                          "mixture-of-experts targets are not supported yet")
+            if text_type != "qwen3_5_text":
+                raise ValueError(f"text_config.model_type={text_type!r}: must be 'qwen3_5_text'")
+            # The composite model ties its lm_head by the top-level flag.
+            tie = _first(d.get("tie_word_embeddings"), text.get("tie_word_embeddings"), False)
+            eos = _first(text.get("eos_token_id"), d.get("eos_token_id"), ())
+        elif model_type in ("qwen3_5_text", "qwen3_next"):
+            text = d
+            tie = _first(d.get("tie_word_embeddings"), False)
+            eos = _first(d.get("eos_token_id"), ())
+        else:
+            raise ValueError(f"model_type={model_type!r}: must be one of {LAYOUTS}")
+
+        def need(key):
+            if text.get(key) is None:
+                raise ValueError(f"{key}: missing from the {model_type!r} config")
+            return text[key]
+
+        def opt(key, default):
+            return _first(text.get(key), default)
+
+        n_layers = need("num_hidden_layers")
+        _reject_moe(text, n_layers)
+        _reject_unsupported(text)
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = opt("full_attention_interval", 4)
+            if not _is_int(interval) or interval <= 0:
+                raise ValueError(f"full_attention_interval={interval!r}: must be a positive int")
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(n_layers)]
+        head_dim = text.get("head_dim")
+        if head_dim is None:
+            head_dim = need("hidden_size") // need("num_attention_heads")
+        if _is_int(eos):
+            eos = (eos,)
+        return cls(
+            layout=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            rms_norm_eps=_as_float(opt("rms_norm_eps", 1e-6)),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=head_dim,
+            rope_theta=_as_float(_rope_value(text, "rope_theta", 10000.0)),
+            partial_rotary_factor=_as_float(_rope_value(text, "partial_rotary_factor", 0.25)),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=opt("linear_conv_kernel_dim", 4),
+            tie_word_embeddings=tie,
+            max_position_embeddings=opt("max_position_embeddings", 32768),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TargetConfig:
+        """Read a config.json file (or the config.json inside a directory)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    def to_hf(self) -> dict:
+        """The HF config dict in this config's layout; `from_hf(c.to_hf()) == c`.
+
+        It is complete enough for transformers to build the same (dense) model.
+        """
+        eos = (None if not self.eos_token_id else
+               self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id))
+        text = {
+            "model_type": "qwen3_next" if self.layout == "qwen3_next" else "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "attention_bias": False,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "eos_token_id": eos,
+        }
+        if self.layout == "qwen3_next":
+            text.update(rope_theta=self.rope_theta,
+                        partial_rotary_factor=self.partial_rotary_factor,
+                        num_experts=0)
+        else:
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                       "partial_rotary_factor": self.partial_rotary_factor}
+        if self.layout != "qwen3_5":
+            return {"architectures": [_ARCHITECTURES[self.layout]], **text}
+        return {"architectures": [_ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5",
+                "tie_word_embeddings": self.tie_word_embeddings, "text_config": text}
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)
+
+
+def _as_float(x: Any) -> Any:
+    """JSON numbers as float; anything else unchanged, for validation to name."""
+    return float(x) if _is_real(x) else x
+
+
+def _rope_value(text: dict, key: str, default: float) -> float:
+    """A rope field from rope_parameters (Qwen3.5, transformers 5) or the top level (Qwen3-Next)."""
+    return _first((text.get("rope_parameters") or {}).get(key), text.get(key), default)
+
+
+def _reject_moe(text: dict, n_layers: int) -> None:
+    """Raise NotImplementedError if any layer would get a sparse MoE MLP (transformers' rule)."""
+    n_experts = text.get("num_experts") or 0
+    if n_experts <= 0:
+        return
+    step = text.get("decoder_sparse_step", 1)
+    if not _is_int(step) or step <= 0:
+        raise ValueError(f"decoder_sparse_step={step!r}: must be a positive int")
+    dense_only = set(text.get("mlp_only_layers") or ())
+    sparse = [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0]
+    if sparse:
+        raise NotImplementedError(f"num_experts={n_experts}: layers {sparse} would be "
+                                  "mixture-of-experts, which is not supported yet")
+
+
+def _reject_unsupported(text: dict) -> None:
+    """Raise NotImplementedError for HF options the model code does not implement."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"{key}.rope_type={rope_type!r}: only unscaled "
+                                      "('default') rotary embedding is supported")
+    if text.get("attention_bias"):
+        raise NotImplementedError("attention_bias=True: attention projections have no bias")
+    act = text.get("hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Shapes and dtypes of the device state (DESIGN.md section 4).
+
+    num_slots: real request slots S (arrays have S + 1 rows; slot 0 is the null slot).
+    max_len: KV-cache positions per slot.
+    window: T_max, tokens one verify window holds per request (anchor + drafts), 1..64.
+    ring_len: L, GDN history records per slot and layer; a power of two >= 16 and >= window,
+        and >= 2 * window with fold_policy "lazy".
+    state_dtype: the SSM checkpoint h0, "float32" or "bfloat16".
+    ring_dtype: ring updates u, "float32" (one f32 array) or "bfloat16" (a bf16 hi/lo pair).
+    fold_policy: "every" (fold all live records at each commit) or "lazy" (fold only when the
+        next window might not fit).
+    dtype: activations (conv state, conv window inputs, ring keys, KV cache).
+    """
+
+    num_slots: int
+    max_len: int
+    window: int
+    ring_len: int = 16
+    state_dtype: str = "float32"
+    ring_dtype: str = "float32"
+    fold_policy: str = "every"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        def bad(field, rule):
+            return _fail("CacheConfig", field, getattr(self, field), rule)
+
+        for field in ("num_slots", "max_len", "window", "ring_len"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "must be a positive int")
+        if self.window > 64:
+            raise bad("window", "must be in 1..64")
+        if self.max_len < self.window:
+            raise bad("max_len", f"must be >= window={self.window}")
+        if self.ring_len < 16 or self.ring_len & (self.ring_len - 1):
+            raise bad("ring_len", "must be a power of two >= 16")
+        if self.ring_len < self.window:
+            raise bad("ring_len", f"must be >= window={self.window}")
+        for field in ("state_dtype", "ring_dtype", "dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise bad(field, f"must be one of {DTYPES}")
+        if self.fold_policy not in FOLD_POLICIES:
+            raise bad("fold_policy", f"must be one of {FOLD_POLICIES}")
+        if self.fold_policy == "lazy" and self.ring_len < 2 * self.window:
+            raise bad("ring_len", f"must be >= 2 * window = {2 * self.window} with "
+                                  "fold_policy 'lazy'")

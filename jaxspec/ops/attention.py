@@ -1,0 +1,68 @@
+"""Gated full attention's core: causal prefill and window verify against the per-slot KV cache.
+
+GQA: query head h reads kv head h // (Hq / KVH). Scale D^-1/2, softmax in float32.
+KV cache per layer [S1, max_len, KVH, D]; a slot holds positions 0..seq_len-1 of its request, and
+a verify window's K/V are written at seq_len + t before attention reads them. Rejected window
+tokens leave garbage past seq_len that later windows overwrite; seq_len decides what is read.
+"""
+import jax
+import jax.numpy as jnp
+
+from jaxspec.ops import packing
+from jaxspec.ops.dispatch import use_kernel
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _attend(q, k, v, mask):
+    """q [B, T, Hq, D]; k, v [B, S, KVH, D]; mask [B, T, S] -> [B, T, Hq, D] float32 (0 where no key)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), rep, axis=2) for x in (k, v))
+    scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k, precision=HIGHEST) * q.shape[-1] ** -0.5
+    mask = mask[:, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jnp.exp(scores - jnp.max(jnp.where(mask, scores, 0.0), axis=-1, keepdims=True))
+    probs = jnp.where(mask, probs, 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("bhts,bshd->bthd", probs, v, precision=HIGHEST)
+
+
+def attention_prefill(q, k, v, lengths, *, impl="auto"):
+    """Causal attention over whole sequences. q [B, T, Hq, D]; k, v [B, T, KVH, D]; lengths [B]
+    -> o [B, T, Hq, D] in q.dtype; rows t >= lengths[b] are 0."""
+    use_kernel("attention_prefill", impl, None)
+    t = q.shape[1]
+    pos = jnp.arange(t)
+    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])
+    mask = mask & (pos[None, :, None] < lengths[:, None, None])
+    return _attend(q, k, v, mask).astype(q.dtype)
+
+
+def kv_write(k_cache, v_cache, k, v, seq_lens, query_start_loc, slots):
+    """Write a packed window's K/V [N, KVH, D] at positions seq_lens[slot] + t of each request's slot.
+    Padding rows and slot-0 requests write nothing."""
+    request, pos, valid = packing.packed_index(query_start_loc, k.shape[0])
+    slot = slots[request]
+    slot = jnp.where(valid & (slot > 0), slot, k_cache.shape[0])
+    at = (slot, seq_lens[jnp.minimum(slot, k_cache.shape[0] - 1)] + pos)
+    return (k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
+            v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
+
+
+def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *, impl="auto"):
+    """Window attention against the cache. q [N, Hq, D]; caches [S1, M, KVH, D]; seq_lens [S1]
+    (committed tokens before the window); query_start_loc [B+1]; slots [B]; t_max static
+    -> o [N, Hq, D] in q.dtype.
+
+    Window token t of request r sits at position p = seq_lens[slots[r]] + t and reads cache
+    positions 0..p. Padding rows and slot-0 requests output 0.
+    """
+    use_kernel("attention_verify", impl, None)
+    qp, valid = packing.to_padded(q, query_start_loc, t_max)                            # [B, T, Hq, D]
+    valid = valid & (slots > 0)[:, None]
+    last = seq_lens[slots][:, None] + jnp.arange(t_max)[None, :]                          # [B, T]
+    key_pos = jnp.arange(k_cache.shape[1])
+    mask = (key_pos[None, None, :] <= last[..., None]) & valid[..., None]
+    o = _attend(qp, k_cache[slots], v_cache[slots], mask)
+    return packing.to_packed(o, query_start_loc, q.shape[0]).astype(q.dtype)

@@ -1,0 +1,19 @@
+"""RMSNorm variants of the Qwen3.5 / Qwen3-Next family (float32 math, cast back)."""
+import jax
+import jax.numpy as jnp
+
+
+def _normalize(x, eps):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x, weight, eps):
+    """x / rms(x) * (1 + weight): the zero-centred weight used everywhere but the GDN output."""
+    return (_normalize(x, eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """(x / rms(x) * weight) * silu(gate): the GDN output norm (plain weight)."""
+    y = _normalize(x, eps) * weight.astype(jnp.float32)
+    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)

@@ -1,0 +1,276 @@
+"""The GDN-hybrid target (Qwen3.5 dense / Qwen3-Next dense) as pure, jittable functions.
+
+    prefill(target, cache, tokens [B, T], lengths [B], slots [B])        whole prompts into slots
+    verify(target, cache, tokens [N], query_start_loc [B+1], slots [B])  a packed window per request
+    commit(cache, slots [B], num_accepted [B])                           a + 1 window tokens enter
+
+The window of request r is [anchor, draft_1, ..., draft_{len_r - 1}]: the anchor is the token
+emitted last step, not yet in the state. verify writes ring records, the saved conv row and the
+window's K/V but never the SSM checkpoint; commit advances cursors, folds and slices the conv row.
+All three take the cache and return a new one (donate it under jit). `taps` is a static tuple of
+layer indices whose output hidden states are returned for the draft.
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.cache import CacheState
+from jaxspec.config import TargetConfig
+from jaxspec.ops import attention, conv, gdn, packing
+from jaxspec.ops.norms import gated_rms_norm, rms_norm
+from jaxspec.ops.rope import apply_rope
+from jaxspec.weights import load_config, load_params
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@struct.dataclass
+class Target:
+    """Parameters (layout: jaxspec.weights) and the static config of a target model."""
+
+    params: dict
+    config: TargetConfig = struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+def load_target(path, dtype=jnp.float32) -> Target:
+    """A target from an HF-layout directory (config.json + *.safetensors), params in `dtype`."""
+    config = load_config(path)
+    return Target(params=load_params(path, config, dtype), config=config)
+
+
+def _dense(x, w):
+    return jnp.dot(x, w, precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _mlp(p, x):
+    gate = jnp.dot(x, p["gate"], precision=HIGHEST, preferred_element_type=jnp.float32)
+    up = jnp.dot(x, p["up"], precision=HIGHEST, preferred_element_type=jnp.float32)
+    return _dense((jax.nn.silu(gate) * up).astype(x.dtype), p["down"])
+
+
+def _logits(params, cfg, x):
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(x, head, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# GDN sublayer pieces shared by prefill and verify ([...] = any leading token axes)
+
+
+def _gdn_in(p, cfg, x):
+    """x [..., d] -> raw conv inputs qkv [..., C], z [..., HV, V], g and beta [..., HV]."""
+    hv, vd = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    g, beta = gdn.gating(_dense(x, p["a"]), _dense(x, p["b"]), p["A_log"], p["dt_bias"])
+    return _dense(x, p["qkv"]), _dense(x, p["z"]).reshape(x.shape[:-1] + (hv, vd)), g, beta
+
+
+def _gdn_split(cfg, y):
+    """Conv output [..., C] -> q̂ [..., H, K] (l2norm, K^-1/2), k̂ [..., H, K], v [..., HV, V]."""
+    h, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    lead = y.shape[:-1]
+    q, k, v = jnp.split(y, [h * kd, 2 * h * kd], axis=-1)
+    q = gdn.l2norm(q.reshape(lead + (h, kd))) * kd ** -0.5
+    k = gdn.l2norm(k.reshape(lead + (h, kd)))
+    return q, k, v.reshape(lead + (cfg.linear_num_value_heads, cfg.linear_value_head_dim))
+
+
+def _gdn_out(p, cfg, o, z, dtype):
+    """o [..., HV, V] float32, z [..., HV, V] -> out_proj(RMSNorm(o) * silu(z)) [..., d]."""
+    y = gated_rms_norm(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
+    return _dense(y.reshape(y.shape[:-2] + (-1,)), p["out"])
+
+
+def _attn_in(p, cfg, x, positions):
+    """x [..., d] -> q [..., Hq, D] (normed, rotary), gate [..., Hq, D], k [..., KVH, D] (normed, rotary), v."""
+    lead, D = x.shape[:-1], cfg.head_dim
+    qg = _dense(x, p["q"]).reshape(lead + (cfg.num_attention_heads, 2 * D))
+    q, gate = qg[..., :D], qg[..., D:]
+    k = _dense(x, p["k"]).reshape(lead + (cfg.num_key_value_heads, D))
+    v = _dense(x, p["v"]).reshape(lead + (cfg.num_key_value_heads, D))
+    q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    return q, gate, k, v
+
+
+def _attn_out(p, o, gate):
+    o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return _dense(o.reshape(o.shape[:-2] + (-1,)), p["o"])
+
+
+def _block(layer, cfg, x, mixer):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    x = x + mixer(rms_norm(x, layer["input_norm"], cfg.rms_norm_eps))
+    return x + _mlp(layer["mlp"], rms_norm(x, layer["post_norm"], cfg.rms_norm_eps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+
+
+def _prefill_layers(target: Target, tokens, lengths, taps, impl):
+    """Whole sequences, no cache. tokens [B, T], lengths [B] -> (logits [B, T, vocab] f32,
+    tapped hidden [B, T, n_taps, d], per GDN layer (conv_state, h), per attention layer (k, v))."""
+    params, cfg = target.params, target.config
+    x = params["embed"][tokens]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    gdn_states, kv, hidden = [], [], []
+    for i, layer in enumerate(params["layers"]):
+        if cfg.layer_types[i] == "linear_attention":
+            p = layer["gdn"]
+
+            def mixer(xn, p=p):
+                qkv, z, g, beta = _gdn_in(p, cfg, xn)
+                y, conv_state = conv.conv_prefill(qkv, p["conv"], lengths, impl=impl)
+                q, k, v = _gdn_split(cfg, y)
+                h0 = jnp.zeros(v.shape[:1] + (v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
+                o, h = gdn.gdn_chunked(q, k, v, g, beta, h0, lengths, impl=impl)
+                gdn_states.append((conv_state, h))
+                return _gdn_out(p, cfg, o, z, xn.dtype)
+        else:
+            p = layer["attn"]
+
+            def mixer(xn, p=p):
+                q, gate, k, v = _attn_in(p, cfg, xn, positions)
+                kv.append((k, v))
+                return _attn_out(p, attention.attention_prefill(q, k, v, lengths, impl=impl), gate)
+
+        x = _block(layer, cfg, x, mixer)
+        if i in taps:
+            hidden.append(x)
+    hidden = jnp.stack(hidden, axis=2) if hidden else jnp.zeros(x.shape[:2] + (0, x.shape[-1]), x.dtype)
+    return _logits(params, cfg, x), hidden, gdn_states, kv
+
+
+def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), *, impl="auto"):
+    """Put whole prompts into their slots. tokens [B, T] int32 (rows padded past lengths[b]),
+    lengths [B], slots [B] (0 = padding row) -> (logits [B, T, vocab] f32, hidden [B, T, n_taps, d], cache).
+
+    Each slot gets its SSM checkpoint, conv state and K/V at positions 0..len-1; write_pos = 0,
+    seq_len = len. Requires T <= cache max_len.
+    """
+    logits, hidden, gdn_states, kv = _prefill_layers(target, tokens, lengths, taps, impl)
+    put = packing.scatter_slots
+    ckpt, conv_state = cache.ckpt, cache.conv_state
+    for gi, (cs, h) in enumerate(gdn_states):
+        ckpt = ckpt.at[gi].set(put(ckpt[gi], slots, h))
+        conv_state = conv_state.at[gi].set(put(conv_state[gi], slots, cs))
+    t = tokens.shape[1]
+    keep = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots > 0)[:, None]
+    at = (jnp.where(keep, slots[:, None], cache.seq_len.shape[0]), jnp.arange(t)[None, :])
+    k_cache, v_cache = cache.k_cache, cache.v_cache
+    for ai, (k, v) in enumerate(kv):
+        k_cache = k_cache.at[ai].set(k_cache[ai].at[at].set(k.astype(k_cache.dtype), mode="drop"))
+        v_cache = v_cache.at[ai].set(v_cache[ai].at[at].set(v.astype(v_cache.dtype), mode="drop"))
+    cache = cache.replace(ckpt=ckpt, conv_state=conv_state, k_cache=k_cache, v_cache=v_cache,
+                          write_pos=put(cache.write_pos, slots, jnp.zeros_like(slots)),
+                          seq_len=put(cache.seq_len, slots, lengths))
+    return logits, hidden, cache
+
+
+@partial(jax.jit, static_argnames=("impl",))
+def _target_logits(target, ids, impl):
+    logits, *_ = _prefill_layers(target, ids[None], jnp.array([ids.shape[0]], jnp.int32), (), impl)
+    return logits[0]
+
+
+def target_logits(target: Target, ids, *, impl="auto"):
+    """Causal logits [len(ids), vocab] float32 of one sequence, no cache."""
+    ids = jnp.asarray(ids, jnp.int32)
+    if ids.ndim != 1 or ids.shape[0] == 0:
+        raise ValueError(f"ids: expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    return _target_logits(target, ids, impl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verify and commit
+
+
+def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, taps=(), *, impl="auto"):
+    """Run packed windows on top of each slot's state. tokens [N] int32, query_start_loc [B+1]
+    (each window <= cache window), slots [B] -> (logits [N, vocab] f32, hidden [N, n_taps, d], cache).
+
+    Window token t of request r sits at position seq_len[slot] + t. Writes ring records at
+    write_pos + t, the saved conv row and K/V at seq_len + t; never the checkpoint. Padding rows
+    (>= query_start_loc[B]) and slot-0 requests write nothing; their logits are garbage-free but
+    meaningless.
+    """
+    params, cfg = target.params, target.config
+    t_max = cache.config.window
+    request, pos, _ = packing.packed_index(query_start_loc, tokens.shape[0])
+    positions = cache.seq_len[slots[request]] + pos
+    x = params["embed"][tokens]
+    state = {f: getattr(cache, f) for f in ("ring_k", "ring_g", "conv_window", "k_cache", "v_cache")}
+    ring_u = cache.ring_u
+    gi = ai = 0
+    hidden = []
+    for i, layer in enumerate(params["layers"]):
+        if cfg.layer_types[i] == "linear_attention":
+            p = layer["gdn"]
+
+            def mixer(xn, p=p, gi=gi):
+                nonlocal ring_u
+                qkv, z, g, beta = _gdn_in(p, cfg, xn)
+                y, window = conv.conv_verify(qkv, cache.conv_state[gi], state["conv_window"][gi], p["conv"],
+                                             query_start_loc, slots, impl=impl)
+                state["conv_window"] = state["conv_window"].at[gi].set(window)
+                q, k, v = _gdn_split(cfg, y)
+                u_layer = tuple(u[gi] for u in ring_u) if isinstance(ring_u, tuple) else ring_u[gi]
+                o, rk, ru, rg = gdn.gdn_verify(q, k, v, g, beta, cache.ckpt[gi], state["ring_k"][gi], u_layer,
+                                               state["ring_g"][gi], cache.write_pos, query_start_loc, slots, t_max,
+                                               impl=impl)
+                state["ring_k"] = state["ring_k"].at[gi].set(rk)
+                state["ring_g"] = state["ring_g"].at[gi].set(rg)
+                ring_u = (tuple(u.at[gi].set(r) for u, r in zip(ring_u, ru)) if isinstance(ring_u, tuple)
+                          else ring_u.at[gi].set(ru))
+                return _gdn_out(p, cfg, o, z, xn.dtype)
+
+            gi += 1
+        else:
+            p = layer["attn"]
+
+            def mixer(xn, p=p, ai=ai):
+                q, gate, k, v = _attn_in(p, cfg, xn, positions)
+                kc, vc = attention.kv_write(state["k_cache"][ai], state["v_cache"][ai], k, v, cache.seq_len,
+                                            query_start_loc, slots)
+                state["k_cache"] = state["k_cache"].at[ai].set(kc)
+                state["v_cache"] = state["v_cache"].at[ai].set(vc)
+                o = attention.attention_verify(q, kc, vc, cache.seq_len, query_start_loc, slots, t_max, impl=impl)
+                return _attn_out(p, o, gate)
+
+            ai += 1
+        x = _block(layer, cfg, x, mixer)
+        if i in taps:
+            hidden.append(x)
+    hidden = jnp.stack(hidden, axis=1) if hidden else jnp.zeros(x.shape[:1] + (0, x.shape[-1]), x.dtype)
+    return _logits(params, cfg, x), hidden, cache.replace(ring_u=ring_u, **state)
+
+
+def commit(cache: CacheState, slots, num_accepted, *, impl="auto"):
+    """After acceptance: a = num_accepted[r] drafts of request r were accepted, so its anchor and
+    a drafts (a + 1 tokens) enter the state. slots [B] (0 = padding row), num_accepted [B] int32.
+
+    Cursors advance by a + 1; fold policy `every` folds all live records and resets the cursor,
+    `lazy` folds only slots whose next window might not fit (write_pos + window > ring_len); the
+    conv state becomes rows a+1.. of the saved row; seq_len += a + 1.
+    """
+    cfg = cache.config
+    real = slots > 0
+    advance = jnp.where(real, num_accepted + 1, 0)
+    live = cache.write_pos.at[jnp.where(real, slots, cache.write_pos.shape[0])].add(advance, mode="drop")
+    if cfg.fold_policy == "every":
+        fold = jnp.ones_like(live, bool)
+    else:
+        fold = live + cfg.window > cfg.ring_len
+    num_records = jnp.where(fold, live, 0)
+    ckpt = gdn.gdn_fold(cache.ckpt, cache.ring_k, cache.ring_u, cache.ring_g, num_records, impl=impl)
+    conv_state = jax.vmap(lambda s, w: conv.conv_commit(s, w, slots, num_accepted, impl=impl))(
+        cache.conv_state, cache.conv_window)
+    seq_len = cache.seq_len.at[jnp.where(real, slots, cache.seq_len.shape[0])].add(advance, mode="drop")
+    return cache.replace(ckpt=ckpt, conv_state=conv_state, write_pos=jnp.where(fold, 0, live), seq_len=seq_len)

@@ -1,0 +1,288 @@
+"""HF safetensors checkpoints <-> target param pytrees.
+
+Param pytree (matrices stored for `x @ W`, i.e. transposed from HF's [out, in]); d = hidden,
+V = vocab, I = intermediate, C = conv_dim = 2*H*K + HV*V_head, W = conv kernel, Hq / KVH / D =
+attention heads / KV heads / head dim:
+```
+params = {
+  "embed": [V, d], "norm": [d], "lm_head": [d, V]   (no "lm_head" when tie_word_embeddings),
+  "layers": [ per layer i, a dict:
+     "input_norm": [d], "post_norm": [d], "mlp": {"gate": [d, I], "up": [d, I], "down": [I, d]},
+     linear_attention layers also: "gdn": {"qkv": [d, C], "z": [d, HV*V], "b": [d, HV],
+          "a": [d, HV], "conv": [C, W], "A_log": [HV], "dt_bias": [HV], "norm": [V],
+          "out": [HV*V, d]}
+     full_attention layers also: "attn": {"q": [d, Hq*2*D], "k": [d, KVH*D], "v": [d, KVH*D],
+          "o": [Hq*D, d], "q_norm": [D], "k_norm": [D]} ],
+}
+```
+The conv channels (and the columns of "qkv") are ordered [q (H*K) | k (H*K) | v (HV*V)], value
+heads in order; "q" columns are [q_h (D) | gate_h (D)] per head, as HF's q_proj rows. Every
+leaf has the dtype given to `load_params` (float32 or bfloat16).
+
+HF names: the text model lives under "model." ("qwen3_5_text", "qwen3_next") or
+"model.language_model." (released "qwen3_5"); "lm_head.weight" is top level in all three. Other
+tensors (e.g. "model.visual.*", "mtp.*") are ignored. Qwen3-Next fuses the GDN input
+projections by key head: `in_proj_qkvz` [H*(2K + 2rV), d] holds, for key head h, the rows
+[q_h (K), k_h (K), v of value heads h*r..h*r+r-1 (r*V), z of those heads (r*V)] and
+`in_proj_ba` [H*2r, d] the rows [b of its r value heads, a of its r value heads]
+(transformers' `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`); the loader splits them
+once into qkv / z / b / a and the writer fuses them back.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxspec.config import TargetConfig
+
+PARAM_DTYPES = (jnp.dtype("float32"), jnp.dtype("bfloat16"))
+_INDEX = "model.safetensors.index.json"
+_WEIGHTS = "model.safetensors"
+
+# How a param leaf relates to its HF tensor: "copy" (same array), "linear" (HF [out, in] is
+# the transpose of the param [in, out]), "conv" (HF [C, 1, W] is the param [C, W]).
+_COPY, _LINEAR, _CONV = "copy", "linear", "conv"
+
+
+def load_config(path: str | os.PathLike) -> TargetConfig:
+    """The TargetConfig of a checkpoint directory (its config.json)."""
+    return TargetConfig.from_json(os.path.join(path, "config.json"))
+
+
+def param_shapes(config: TargetConfig) -> dict:
+    """The param pytree of `config` (module doc) with shape tuples as leaves."""
+    c = config
+    d, r_dim = c.hidden_size, c.linear_num_value_heads * c.linear_value_head_dim
+    hv, hq, kvh, hd = (c.linear_num_value_heads, c.num_attention_heads, c.num_key_value_heads,
+                       c.head_dim)
+    shapes = {"embed": (c.vocab_size, d), "norm": (d,), "layers": []}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (d, c.vocab_size)
+    for kind in c.layer_types:
+        layer = {"input_norm": (d,), "post_norm": (d,),
+                 "mlp": {"gate": (d, c.intermediate_size), "up": (d, c.intermediate_size),
+                         "down": (c.intermediate_size, d)}}
+        if kind == "linear_attention":
+            layer["gdn"] = {"qkv": (d, c.conv_dim), "z": (d, r_dim), "b": (d, hv), "a": (d, hv),
+                            "conv": (c.conv_dim, c.linear_conv_kernel_dim), "A_log": (hv,),
+                            "dt_bias": (hv,), "norm": (c.linear_value_head_dim,),
+                            "out": (r_dim, d)}
+        else:
+            layer["attn"] = {"q": (d, hq * 2 * hd), "k": (d, kvh * hd), "v": (d, kvh * hd),
+                             "o": (hq * hd, d), "q_norm": (hd,), "k_norm": (hd,)}
+        shapes["layers"].append(layer)
+    return shapes
+
+
+def _tensor_map(config: TargetConfig) -> list[tuple[str, tuple, str]]:
+    """(HF name, param key path, relation) for every tensor stored one-to-one.
+
+    Qwen3-Next's fused GDN projections are not listed: see `_split_qwen3_next`.
+    """
+    p = "model.language_model." if config.layout == "qwen3_5" else "model."
+    out = [(p + "embed_tokens.weight", ("embed",), _COPY), (p + "norm.weight", ("norm",), _COPY)]
+    if not config.tie_word_embeddings:
+        out.append(("lm_head.weight", ("lm_head",), _LINEAR))
+    gdn = [("in_proj_qkv.weight", "qkv", _LINEAR), ("in_proj_z.weight", "z", _LINEAR),
+           ("in_proj_b.weight", "b", _LINEAR), ("in_proj_a.weight", "a", _LINEAR)]
+    if config.layout == "qwen3_next":
+        gdn = []
+    gdn += [("conv1d.weight", "conv", _CONV), ("A_log", "A_log", _COPY),
+            ("dt_bias", "dt_bias", _COPY), ("norm.weight", "norm", _COPY),
+            ("out_proj.weight", "out", _LINEAR)]
+    attn = [("q_proj.weight", "q", _LINEAR), ("k_proj.weight", "k", _LINEAR),
+            ("v_proj.weight", "v", _LINEAR), ("o_proj.weight", "o", _LINEAR),
+            ("q_norm.weight", "q_norm", _COPY), ("k_norm.weight", "k_norm", _COPY)]
+    for i, kind in enumerate(config.layer_types):
+        lp = f"{p}layers.{i}."
+        out += [(lp + "input_layernorm.weight", ("layers", i, "input_norm"), _COPY),
+                (lp + "post_attention_layernorm.weight", ("layers", i, "post_norm"), _COPY)]
+        out += [(f"{lp}mlp.{n}_proj.weight", ("layers", i, "mlp", n), _LINEAR)
+                for n in ("gate", "up", "down")]
+        if kind == "linear_attention":
+            out += [(lp + "linear_attn." + n, ("layers", i, "gdn", k), rel) for n, k, rel in gdn]
+        else:
+            out += [(lp + "self_attn." + n, ("layers", i, "attn", k), rel) for n, k, rel in attn]
+    return out
+
+
+def _hf_shape(shape: tuple, relation: str) -> tuple:
+    """The HF tensor shape of a param leaf of `shape`."""
+    if relation == _LINEAR:
+        return shape[::-1]
+    if relation == _CONV:
+        return (shape[0], 1, shape[1])
+    return shape
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _put(tree, path, value):
+    for k in path[:-1]:
+        tree = tree[k] if isinstance(k, int) else tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+class _Checkpoint:
+    """Lazy reader of the safetensors files of a directory (one file or sharded with an index)."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, _INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                self.file_of = {k: os.path.join(self.path, v)
+                                for k, v in json.load(f)["weight_map"].items()}
+            return
+        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors file in {self.path}")
+        self.file_of = {}
+        for name in files:
+            full = os.path.join(self.path, name)
+            with safe_open(full, framework="numpy") as f:
+                for key in f.keys():
+                    if key in self.file_of:
+                        raise ValueError(
+                            f"tensor {key!r} is in both {self.file_of[key]} and {full}")
+                    self.file_of[key] = full
+
+    def read(self, name: str, shape: tuple) -> np.ndarray:
+        """Tensor `name` as a numpy array (bfloat16 via ml_dtypes), checked to be `shape`."""
+        if name not in self.file_of:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        with safe_open(self.file_of[name], framework="numpy") as f:
+            got = tuple(f.get_slice(name).get_shape())
+            if got != tuple(shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
+            return f.get_tensor(name)
+
+
+def _check_dtype(dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"dtype={dtype}: must be float32 or bfloat16")
+    return dtype
+
+
+def _split_qwen3_next(qkvz: np.ndarray, ba: np.ndarray, c: TargetConfig) -> dict:
+    """Qwen3-Next's key-head-grouped in_proj_qkvz / in_proj_ba -> HF-oriented qkv, z, b, a."""
+    h, k, v, r = (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                  c.value_heads_per_key)
+    d = qkvz.shape[-1]
+    q_, k_, v_, z_ = np.split(qkvz.reshape(h, 2 * k + 2 * r * v, d), [k, 2 * k, 2 * k + r * v],
+                              axis=1)
+    b_, a_ = np.split(ba.reshape(h, 2 * r, d), [r], axis=1)
+
+    def flat(x):  # [H, n, d] -> [H*n, d], key head major
+        return x.reshape(-1, d)
+
+    return {"qkv": np.concatenate([flat(q_), flat(k_), flat(v_)]), "z": flat(z_), "b": flat(b_),
+            "a": flat(a_)}
+
+
+def _fuse_qwen3_next(gdn: dict, c: TargetConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of `_split_qwen3_next`: HF-oriented qkv, z, b, a -> (in_proj_qkvz, in_proj_ba)."""
+    h, k, r = c.linear_num_key_heads, c.linear_key_head_dim, c.value_heads_per_key
+    d = gdn["qkv"].shape[-1]
+    q_, k_, v_ = np.split(gdn["qkv"], [h * k, 2 * h * k])
+
+    def per_head(x):  # [H*n, d] -> [H, n, d]
+        return x.reshape(h, -1, d)
+
+    qkvz = np.concatenate([per_head(q_), per_head(k_), per_head(v_), per_head(gdn["z"])], axis=1)
+    ba = np.concatenate([per_head(gdn["b"]), per_head(gdn["a"])], axis=1)
+    return qkvz.reshape(-1, d), ba.reshape(-1, d)
+
+
+def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32) -> dict:
+    """Read the target params (module doc) from the HF checkpoint directory `path`.
+
+    Reads `model.safetensors.index.json`'s shards if present, else every *.safetensors in the
+    directory; only the tensors the config needs are read. Every leaf is cast to `dtype`
+    (float32 or bfloat16). A missing tensor raises KeyError and a tensor of the wrong shape
+    ValueError, each naming the HF tensor.
+    """
+    dtype = _check_dtype(dtype)
+    ckpt = _Checkpoint(path)
+    shapes = param_shapes(config)
+    params = {"layers": [{} for _ in config.layer_types]}
+
+    def put(keys, hf_array, relation):
+        x = jnp.asarray(hf_array)
+        if relation == _LINEAR:
+            x = x.T
+        elif relation == _CONV:
+            x = x[:, 0, :]
+        _put(params, keys, x.astype(dtype))
+
+    for name, keys, relation in _tensor_map(config):
+        put(keys, ckpt.read(name, _hf_shape(_get(shapes, keys), relation)), relation)
+    if config.layout == "qwen3_next":
+        c, d = config, config.hidden_size
+        qkvz_rows = c.linear_num_key_heads * (2 * c.linear_key_head_dim
+                                              + 2 * c.value_heads_per_key * c.linear_value_head_dim)
+        for i in config.gdn_layers:
+            lp = f"model.layers.{i}.linear_attn."
+            parts = _split_qwen3_next(ckpt.read(lp + "in_proj_qkvz.weight", (qkvz_rows, d)),
+                                      ckpt.read(lp + "in_proj_ba.weight",
+                                                (2 * c.linear_num_value_heads, d)), c)
+            for k, x in parts.items():
+                put(("layers", i, "gdn", k), x, _LINEAR)
+    return params
+
+
+def save_params(path: str | os.PathLike, params: dict, config: TargetConfig) -> None:
+    """Write `params` as an HF checkpoint in `config.layout`: model.safetensors + config.json.
+
+    Tensors keep the dtype of their leaf. The directory is created if needed; it must not hold
+    other safetensors files or a shard index, which the loader would read too. Raises
+    ValueError if the pytree's keys or shapes differ from `param_shapes(config)`.
+    """
+    shapes = param_shapes(config)
+    want = dict(jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for keys in sorted(want.keys() ^ got.keys(), key=jax.tree_util.keystr):
+        where = "missing from params" if keys in want else "not in the config's param tree"
+        raise ValueError(f"params{jax.tree_util.keystr(keys)}: {where}")
+    for keys, leaf in got.items():
+        if tuple(leaf.shape) != want[keys]:
+            raise ValueError(f"params{jax.tree_util.keystr(keys)} has shape {tuple(leaf.shape)}, "
+                             f"the config needs {want[keys]}")
+
+    os.makedirs(path, exist_ok=True)
+    others = [f for f in os.listdir(path)
+              if f == _INDEX or (f.endswith(".safetensors") and f != _WEIGHTS)]
+    if others:
+        raise FileExistsError(f"{path} already holds {sorted(others)}; save into a clean directory")
+
+    def hf(keys, relation):
+        x = np.asarray(_get(params, keys))
+        if relation == _LINEAR:
+            return np.ascontiguousarray(x.T)
+        return x[:, None, :] if relation == _CONV else x
+
+    tensors = {name: hf(keys, relation) for name, keys, relation in _tensor_map(config)}
+    if config.layout == "qwen3_next":
+        for i in config.gdn_layers:
+            gdn = {k: hf(("layers", i, "gdn", k), _LINEAR) for k in ("qkv", "z", "b", "a")}
+            lp = f"model.layers.{i}.linear_attn."
+            tensors[lp + "in_proj_qkvz.weight"], tensors[lp + "in_proj_ba.weight"] = (
+                _fuse_qwen3_next(gdn, config))
+    save_file(tensors, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
+    hf_config = config.to_hf()
+    hf_config["dtype"] = str(jnp.dtype(params["embed"].dtype))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

@@ -1,0 +1,91 @@
+"""The target model: HF parity on the shipped fixture, prefill/verify consistency, the public API."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import cache as cache_mod
+from jaxspec import target as tgt
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxspec.load_target(FIXTURE)
+
+
+def test_logits_match_transformers(model):
+    expected = np.load(FIXTURE / "expected.npz")
+    want = expected["logits"].reshape(-1, model.config.vocab_size)
+    got = np.asarray(jaxspec.target_logits(model, expected["input_ids"].reshape(-1)))
+    assert got.shape == want.shape and got.dtype == np.float32
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= 1e-4, f"max|logits - transformers| / max|transformers| = {err:.3g}"
+
+
+def test_target_logits_rejects_empty_ids(model):
+    with pytest.raises(ValueError, match="ids"):
+        jaxspec.target_logits(model, [])
+
+
+def _prefill(model, seqs, slots, cache_cfg, taps=()):
+    state = cache_mod.init_cache(model.config, cache_cfg)
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+    lengths = jnp.array([len(s) for s in seqs], jnp.int32)
+    return tgt.prefill(model, state, jnp.asarray(tokens), lengths, jnp.asarray(slots, jnp.int32), taps)
+
+
+def test_ragged_prefill_matches_single_sequences(model):
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, model.config.vocab_size, n) for n in (23, 67, 2)]
+    cfg = jaxspec.CacheConfig(num_slots=4, max_len=96, window=8)
+    logits, hidden, state = _prefill(model, seqs, [3, 1, 4], cfg, taps=(0, 2))
+    assert hidden.shape == (3, 67, 2, model.config.hidden_size)
+    for i, s in enumerate(seqs):
+        want = np.asarray(jaxspec.target_logits(model, s))
+        err = np.abs(np.asarray(logits[i, :len(s)]) - want).max() / np.abs(want).max()
+        assert err <= 1e-5, f"sequence {i}: {err:.3g}"
+    assert state.seq_len.tolist() == [0, 67, 0, 23, 2]
+    assert not np.any(np.asarray(state.ckpt[:, 0])), "prefill wrote the null slot"
+
+
+@pytest.mark.parametrize("ring_dtype", ["float32", "bfloat16"])
+def test_verify_after_prefill_equals_whole_prefill(model, ring_dtype):
+    """Packed ragged windows (a padding request on slot 0, padding rows) give the logits that a
+    prefill of prompt + window gives, and commit then a second verify continues exactly."""
+    rng = np.random.default_rng(2)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(0, vocab, n) for n in (30, 13, 41)]
+    cfg = jaxspec.CacheConfig(num_slots=3, max_len=80, window=7, ring_dtype=ring_dtype)
+    _, _, state = _prefill(model, prompts, [2, 3, 1], cfg)
+    verify = jax.jit(tgt.verify, static_argnames=("taps", "impl"))
+    commit = jax.jit(tgt.commit)
+    accepted = {0: 4, 1: 0, 2: 6}
+    history = [list(p) for p in prompts]
+    for step in range(2):
+        lengths = [5, 1, 7] if step == 0 else [7, 3, 2]
+        windows = [rng.integers(0, vocab, n) for n in lengths]
+        tokens = np.zeros(20, np.int32)
+        qsl = np.concatenate([[0], np.cumsum(lengths), [sum(lengths)]]).astype(np.int32)
+        for i, w in enumerate(windows):
+            tokens[qsl[i]:qsl[i + 1]] = w
+        slots = jnp.array([2, 3, 1, 0], jnp.int32)   # the last request is padding
+        logits, _, state = verify(model, state, jnp.asarray(tokens), jnp.asarray(qsl), slots)
+        for i, w in enumerate(windows):
+            want = np.asarray(jaxspec.target_logits(model, np.concatenate([history[i], w])))[len(history[i]):]
+            got = np.asarray(logits[qsl[i]:qsl[i + 1]])
+            err = np.abs(got - want).max() / np.abs(want).max()
+            tol = 2e-5 if ring_dtype == "float32" else 1e-4
+            assert err <= tol, f"step {step} request {i}: {err:.3g}"
+        num_accepted = [min(accepted[i], lengths[i] - 1) for i in range(3)] + [0]
+        state = commit(state, slots, jnp.array(num_accepted, jnp.int32))
+        for i, w in enumerate(windows):
+            history[i] += list(w[:num_accepted[i] + 1])
+        assert state.seq_len.tolist()[1:] == [len(history[2]), len(history[0]), len(history[1])]
