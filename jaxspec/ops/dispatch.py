@@ -1,11 +1,19 @@
 """The `impl=` switch shared by every op module.
 
-`"ref"` runs the plain-jnp reference, `"pallas"` demands a kernel, `"auto"` takes a kernel only
-where its `supports(...)` predicate covers the call. An unsupported call is slower, never wrong.
+`"ref"` runs the plain-jnp reference. `"pallas"` demands the kernel (on a machine without a GPU
+it runs in Pallas interpret mode, which is how the CPU tests hold kernels to their references).
+`"auto"` takes the kernel only on a GPU and only where its `supports(...)` predicate covers the
+call's shapes and dtypes. An unsupported call is slower, never wrong.
 """
 from typing import Callable
 
+import jax
+
 IMPLS = ("auto", "ref", "pallas")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
 
 
 def use_kernel(op: str, impl: str, kernel_supports: Callable[[], bool] | None) -> bool:
@@ -17,4 +25,4 @@ def use_kernel(op: str, impl: str, kernel_supports: Callable[[], bool] | None) -
     supported = kernel_supports is not None and kernel_supports()
     if impl == "pallas" and not supported:
         raise ValueError(f"impl='pallas': no Pallas kernel covers this {op} call")
-    return supported
+    return supported and (impl == "pallas" or on_gpu())
