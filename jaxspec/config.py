@@ -379,3 +379,134 @@ class CacheConfig:
         if self.fold_policy == "lazy" and self.ring_len < 2 * self.window:
             raise bad("ring_len", f"must be >= 2 * window = {2 * self.window} with "
                                   "fold_policy 'lazy'")
+
+
+VERIFY_MODES = ("none", "static", "cap-accept", "compact")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A DFlash block-diffusion draft (DESIGN.md section 5): Qwen3-style decoder layers (RMSNorm
+    with a plain weight, GQA with q/k norm, full rotary, SwiGLU) without embedding or LM head of
+    their own (the target's are shared).
+
+    block_size: B, the block [anchor, MASK x (B-1)] gives B - 1 drafts in one forward.
+    target_layer_ids: target layers whose output hidden states are concatenated, projected by
+        `fc` (n_taps * target_hidden -> hidden_size) and normalised into the draft's context.
+    mask_token_id: the token id whose embedding fills the B - 1 draft positions.
+    HF layout: config.json with these fields at the top level and `dflash_config`
+    {"mask_token_id", "target_layer_ids"}; weights fc.weight, hidden_norm.weight, norm.weight,
+    layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
+    self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+
+        def bad(field, rule):
+            return _fail("DraftConfig", field, getattr(self, field), rule)
+
+        for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "must be a positive int")
+        if not _is_int(self.block_size) or not 2 <= self.block_size <= 64:
+            raise bad("block_size", "must be an int in 2..64")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise bad("head_dim", "must be even (rotary)")
+        if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+            raise bad("target_layer_ids", "must be a non-empty tuple of layer indices >= 0")
+        if not _is_int(self.mask_token_id) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise bad("mask_token_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
+        for field in ("rms_norm_eps", "rope_theta"):
+            if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
+                raise bad(field, "must be a positive number")
+
+    @classmethod
+    def from_hf(cls, d: dict, target_hidden_size: int | None = None) -> DraftConfig:
+        dflash = d.get("dflash_config", {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: d[k] for k in fields if k in d}
+        values["target_layer_ids"] = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        values["mask_token_id"] = dflash.get("mask_token_id", d.get("mask_token_id"))
+        values.setdefault("target_hidden_size", target_hidden_size or d["hidden_size"])
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING and values.get(f.name) is None)
+        if missing:
+            raise ValueError(f"DraftConfig: config.json lacks {', '.join(missing)}")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> DraftConfig:
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    def to_hf(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        d["architectures"] = ["DFlashDraftModel"]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How the engine decodes (DESIGN.md sections 7-8).
+
+    verify_mode: "none" (target only, one token per step), "static" (verify the whole block),
+        "cap-accept" / "compact" (confidence-scheduled; a later row).
+    num_slots, max_len: concurrent requests and tokens per request (prompt + generation).
+    block_size: verify window of static mode (anchor + block_size - 1 drafts); None = the
+        draft's block size.
+    ring_len, fold_policy, state_dtype, ring_dtype: the GDN state (see CacheConfig).
+    max_top_k: the static top-k bound of the target distribution for sampled requests.
+    lag: steps between a device value and the host decision that uses it.
+    """
+
+    verify_mode: str = "static"
+    num_slots: int = 8
+    max_len: int = 1024
+    block_size: int | None = None
+    ring_len: int = 16
+    fold_policy: str = "every"
+    state_dtype: str = "float32"
+    ring_dtype: str = "float32"
+    max_top_k: int = 64
+    lag: int = 2
+
+    def __post_init__(self):
+        def bad(field, rule):
+            return _fail("SpecConfig", field, getattr(self, field), rule)
+
+        if self.verify_mode not in VERIFY_MODES:
+            raise bad("verify_mode", f"must be one of {VERIFY_MODES}")
+        for field in ("num_slots", "max_len", "max_top_k"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "must be a positive int")
+        if self.block_size is not None and (not _is_int(self.block_size) or not 2 <= self.block_size <= 64):
+            raise bad("block_size", "must be None or an int in 2..64")
+        if not _is_int(self.lag) or self.lag < 0:
+            raise bad("lag", "must be an int >= 0")
+
+    def cache_config(self, window: int, dtype: str) -> CacheConfig:
+        """The device-state shapes for verify windows of `window` tokens (validated there)."""
+        return CacheConfig(num_slots=self.num_slots, max_len=self.max_len, window=window,
+                           ring_len=self.ring_len, state_dtype=self.state_dtype, ring_dtype=self.ring_dtype,
+                           fold_policy=self.fold_policy, dtype=dtype)

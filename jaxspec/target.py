@@ -54,10 +54,15 @@ def _mlp(p, x):
     return _dense((jax.nn.silu(gate) * up).astype(x.dtype), p["down"])
 
 
-def _logits(params, cfg, x):
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(x, head, precision=HIGHEST, preferred_element_type=jnp.float32)
+def lm_head(target: Target):
+    """The output projection [d, vocab] (the transposed embedding when tied)."""
+    params = target.params
+    return params["embed"].T if target.config.tie_word_embeddings else params["lm_head"]
+
+
+def _logits(target, x):
+    x = rms_norm(x, target.params["norm"], target.config.rms_norm_eps)
+    return jnp.dot(x, lm_head(target), precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +150,7 @@ def _prefill_layers(target: Target, tokens, lengths, taps, impl):
         if i in taps:
             hidden.append(x)
     hidden = jnp.stack(hidden, axis=2) if hidden else jnp.zeros(x.shape[:2] + (0, x.shape[-1]), x.dtype)
-    return _logits(params, cfg, x), hidden, gdn_states, kv
+    return _logits(target, x), hidden, gdn_states, kv
 
 
 def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), *, impl="auto"):
@@ -249,7 +254,7 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
         if i in taps:
             hidden.append(x)
     hidden = jnp.stack(hidden, axis=1) if hidden else jnp.zeros(x.shape[:1] + (0, x.shape[-1]), x.dtype)
-    return _logits(params, cfg, x), hidden, cache.replace(ring_u=ring_u, **state)
+    return _logits(target, x), hidden, cache.replace(ring_u=ring_u, **state)
 
 
 def commit(cache: CacheState, slots, num_accepted, *, impl="auto"):

@@ -17,3 +17,8 @@ def gated_rms_norm(x, gate, weight, eps):
     """(x / rms(x) * weight) * silu(gate): the GDN output norm (plain weight)."""
     y = _normalize(x, eps) * weight.astype(jnp.float32)
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def rms_norm_plain(x, weight, eps):
+    """x / rms(x) * weight: the plain-weight RMSNorm of Qwen3-style layers (the DFlash draft)."""
+    return (_normalize(x, eps) * weight.astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,280 @@
+"""The engine: slots, continuous batching and the jitted step draft -> verify -> accept -> commit.
+
+One jitted step per variant (greedy-only or sampling), donating the state; requests join by
+prefill into free slots (one jitted prefill per prompt-length bucket) and leave on EOS,
+max_new_tokens or a stop string. The step never recompiles for a new mix of requests: slot
+occupancy is data (inactive rows point at the null slot 0). The host loop below never touches
+model arrays except to read the emitted tokens.
+"""
+import collections
+import dataclasses
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec import cache as cache_mod
+from jaxspec import target as target_mod
+from jaxspec.cache import CacheState
+from jaxspec.config import SpecConfig
+from jaxspec.dflash import Draft
+from jaxspec.ops import packing, sampling
+from jaxspec.ops.sampling import SamplingParams
+from jaxspec.proposer import DFlashProposer
+from jaxspec.target import Target
+
+
+@struct.dataclass
+class EngineState:
+    """Device state: the target cache, the proposer's state, and per slot [S1] the anchor (the
+    token emitted last, not yet in the target state), a raw PRNG key [S1, 2] and sampling params."""
+
+    cache: CacheState
+    proposer: object
+    anchor: jnp.ndarray
+    keys: jnp.ndarray
+    sampling: SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens: generated ids (prompt excluded); text: their decoding when a tokenizer is known;
+    stats: steps, accepted (drafts accepted per step), accept_length (mean tokens committed per
+    verify step), tokens_per_s; error: why the request was refused (then tokens is empty)."""
+
+    tokens: list
+    stats: dict
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: list
+    key: np.ndarray
+    slot: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    accepted: list = dataclasses.field(default_factory=list)
+    start: float = 0.0
+    done: bool = False
+
+
+def _step(state: EngineState, target: Target, proposer, slots, *, window, greedy, max_top_k, impl):
+    """One decoding step for the rows `slots` [S] (0 = inactive row) -> (state, emitted [S, T], a [S])."""
+    cache = state.cache
+    s, t = slots.shape[0], window
+    anchors, ctx_len = state.anchor[slots], cache.seq_len[slots]
+    keys = jax.vmap(lambda k: jax.random.split(k, 3))(state.keys[slots])
+    key_draft, key_accept, key_next = keys[:, 0], keys[:, 1], keys[:, 2]
+    params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
+    if t > 1:
+        draft_logits = proposer.propose(state.proposer, anchors, slots, ctx_len)[:, :t - 1]
+        if greedy:
+            drafts, q = sampling.greedy_tokens(draft_logits), None
+        else:
+            q = sampling.draft_distribution(draft_logits, params.temperature)
+            drafts = sampling.sample_draft(key_draft, q)
+        window_tokens = jnp.concatenate([anchors[:, None], drafts], axis=1)
+    else:
+        drafts, q, window_tokens = jnp.zeros((s, 0), jnp.int32), None, anchors[:, None]
+    tokens = window_tokens.reshape(-1)
+    query_start_loc = jnp.arange(s + 1, dtype=jnp.int32) * t
+    taps = proposer.taps if proposer is not None else ()
+    logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, slots, taps, impl=impl)
+    logits = logits.reshape(s, t, -1)
+    if greedy:
+        ids = sampling.greedy_tokens(logits)[..., None]
+        probs = jnp.ones(ids.shape, jnp.float32)
+    else:
+        probs, ids = sampling.target_distribution(logits, params, max_top_k)
+    num_verify = jnp.full((s,), t - 1, jnp.int32)
+    accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, num_verify, params.temperature)
+    cache = target_mod.commit(cache, slots, accepted, impl=impl)
+    proposer_state = state.proposer
+    if proposer is not None:
+        pos = jnp.arange(t)[None, :]
+        proposer_state = proposer.observe(proposer_state, tokens, hidden, (ctx_len[:, None] + pos).reshape(-1),
+                                          jnp.repeat(slots, t), (pos <= accepted[:, None]).reshape(-1))
+    state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
+                          keys=state.keys.at[slots].set(key_next))
+    return state, emitted, accepted
+
+
+def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
+    """Prompts into their slots: tokens [R, P] padded, lengths [R] (>= 1), slots [R] (0 = padding row),
+    keys [R, 2] raw, params SamplingParams [R] -> (state, first generated token [R])."""
+    r, p = tokens.shape
+    taps = proposer.taps if proposer is not None else ()
+    logits, hidden, cache = target_mod.prefill(target, state.cache, tokens, lengths, slots, taps, impl=impl)
+    keys = jax.vmap(jax.random.split)(keys)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]            # [R, vocab]
+    probs, ids = sampling.target_distribution(last, params, max_top_k)
+    choice = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys[:, 0], probs)
+    sampled = jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
+    first = jnp.where(params.temperature > 0, sampled, ids[:, 0]).astype(jnp.int32)
+    proposer_state = state.proposer
+    if proposer is not None:
+        pos = jnp.arange(p)[None, :]
+        proposer_state = proposer.observe(proposer_state, tokens.reshape(-1), hidden.reshape((r * p,) + hidden.shape[2:]),
+                                          jnp.broadcast_to(pos, (r, p)).reshape(-1), jnp.repeat(slots, p),
+                                          (pos < lengths[:, None]).reshape(-1))
+    put = lambda arr, x: packing.scatter_slots(arr, slots, x)
+    state = state.replace(
+        cache=cache, proposer=proposer_state, anchor=put(state.anchor, first), keys=put(state.keys, keys[:, 1]),
+        sampling=jax.tree_util.tree_map(put, state.sampling, params))
+    return state, first
+
+
+class Engine:
+    """Speculative decoding of a GDN-hybrid target with a block draft.
+
+    Engine(target, draft, SpecConfig(...)) uses the DFlash draft; `proposer=` takes any pytree
+    that follows jaxspec.proposer's interface instead. Mode "none" needs no draft.
+    """
+
+    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig = SpecConfig(), *,
+                 proposer=None, tokenizer=None, impl="auto"):
+        if spec.verify_mode in ("cap-accept", "compact"):
+            raise NotImplementedError(f"SpecConfig.verify_mode={spec.verify_mode!r}: confidence-scheduled "
+                                      "verification is not implemented yet; use 'none' or 'static'")
+        if proposer is None and draft is not None:
+            proposer = DFlashProposer(draft, target, impl=impl)
+        if spec.verify_mode == "none":
+            proposer, window = None, 1
+        else:
+            if proposer is None:
+                raise ValueError(f"draft: verify_mode={spec.verify_mode!r} needs a draft (or a proposer)")
+            window = spec.block_size or proposer.block_size
+            if window > proposer.block_size:
+                raise ValueError(f"SpecConfig.block_size={window}: the draft proposes blocks of "
+                                 f"{proposer.block_size}")
+        self.target, self.proposer, self.spec, self.window = target, proposer, spec, window
+        self.tokenizer = tokenizer
+        self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
+        self._step = jax.jit(partial(_step, window=window, max_top_k=spec.max_top_k, impl=impl),
+                             static_argnames=("greedy",), donate_argnums=(0,))
+        self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
+        self.state = self._init_state()
+
+    def _init_state(self) -> EngineState:
+        s1 = self.spec.num_slots + 1
+        return EngineState(
+            cache=cache_mod.init_cache(self.target.config, self.cache_config),
+            proposer=(self.proposer.init_state(self.spec.num_slots, self.spec.max_len)
+                      if self.proposer is not None else None),
+            anchor=jnp.zeros((s1,), jnp.int32), keys=jnp.zeros((s1, 2), jnp.uint32),
+            sampling=SamplingParams.create(s1))
+
+    # ------------------------------------------------------------------------------ host side
+
+    def _refusal(self, prompt, max_new_tokens) -> str | None:
+        vocab = self.target.config.vocab_size
+        if len(prompt) == 0:
+            return "prompt: empty"
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            return f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        need = len(prompt) + max_new_tokens + self.window
+        if need > self.spec.max_len:
+            return (f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + window "
+                    f"({self.window}) = {need} exceeds SpecConfig.max_len={self.spec.max_len}")
+        return None
+
+    def _bucket(self, n):
+        return min(max(16, 1 << (n - 1).bit_length()), self.spec.max_len)
+
+    def _admit(self, joining, free, active, params, emit):
+        """Prefill the joining requests in one call padded to (count, length) buckets."""
+        rows = 1 << (len(joining) - 1).bit_length()
+        width = self._bucket(max(len(req.prompt) for req in joining))
+        tokens = np.zeros((rows, width), np.int32)
+        lengths, slots, keys = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, 2), np.uint32)
+        for i, req in enumerate(joining):
+            req.slot, req.start = free.pop(0), time.perf_counter()
+            active[req.slot] = req
+            tokens[i, :len(req.prompt)] = req.prompt
+            lengths[i], slots[i], keys[i] = len(req.prompt), req.slot, req.key
+        row_params = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x[:1], (rows,)), params)
+        self.state, first = self._prefill(self.state, self.target, self.proposer, *map(jnp.asarray, (
+            tokens, lengths, slots, keys)), row_params)
+        for req, tok in zip(joining, np.asarray(first)):
+            emit(req, tok)
+
+    def generate(self, prompts, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=None,
+                 eos_token_id=None):
+        """Decode every prompt (a list of token-id lists, or strings with a tokenizer).
+
+        Requests wait in a queue for a free slot; a bad request gets a result with `error` set and
+        the others go on. Per-request PRNG keys come from `seed` (an int, or one per prompt), so a
+        request's tokens do not depend on the requests it ran beside.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive int")
+        if not temperature >= 0:
+            raise ValueError(f"temperature={temperature!r}: must be >= 0")
+        if not (isinstance(top_k, int) and top_k >= 0):
+            raise ValueError(f"top_k={top_k!r}: must be an int >= 0 (0 = off)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts")
+        eos = set(self.target.config.eos_token_id if eos_token_id is None else
+                  ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id))
+        params = SamplingParams.create(1, temperature, top_k, top_p)
+        greedy = temperature == 0
+        results, queue = [None] * len(prompts), collections.deque()
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("prompts: text prompts need Engine(tokenizer=...)")
+                prompt = self.tokenizer.encode(prompt)
+            prompt = [int(t) for t in prompt]
+            error = self._refusal(prompt, max_new_tokens)
+            if error:
+                results[i] = GenerationResult(tokens=[], stats={}, error=error)
+            else:
+                queue.append(_Request(i, prompt, np.asarray(jax.random.PRNGKey(seeds[i]), np.uint32)))
+        free = list(range(1, self.spec.num_slots + 1))
+        active = {}
+
+        def finish(req):
+            req.done = True
+            free.append(req.slot)
+            del active[req.slot]
+            elapsed = max(time.perf_counter() - req.start, 1e-9)
+            steps = len(req.accepted)
+            stats = {"steps": steps, "accepted": req.accepted,
+                     "accept_length": (sum(a + 1 for a in req.accepted) / steps) if steps else 0.0,
+                     "tokens_per_s": len(req.tokens) / elapsed}
+            text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
+            results[req.index] = GenerationResult(tokens=req.tokens, stats=stats, text=text)
+
+        def emit(req, tok):
+            req.tokens.append(int(tok))
+            stopped = stop and self.tokenizer is not None and any(s in self.tokenizer.decode(req.tokens) for s in stop)
+            if int(tok) in eos or len(req.tokens) >= max_new_tokens or stopped:
+                finish(req)
+
+        while queue or active:
+            if queue and free:
+                self._admit([queue.popleft() for _ in range(min(len(queue), len(free)))], free, active, params, emit)
+            if not active:
+                continue
+            slots = np.array([s if s in active else 0 for s in range(1, self.spec.num_slots + 1)], np.int32)
+            self.state, emitted, accepted = self._step(self.state, self.target, self.proposer, jnp.asarray(slots),
+                                                       greedy=greedy)
+            emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+            for row, slot in enumerate(slots):
+                req = active.get(int(slot))
+                if req is None:
+                    continue
+                req.accepted.append(int(accepted[row]))
+                for tok in emitted[row, :accepted[row] + 1]:
+                    if not req.done:
+                        emit(req, tok)
+        return results

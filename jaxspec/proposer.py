@@ -1,0 +1,48 @@
+"""The draft interface the engine drives, and its DFlash implementation.
+
+A proposer is a static object whose device state is a pytree carried in the engine state:
+
+    taps                      target layers whose output hidden states it consumes
+    block_size                B: it proposes B - 1 drafts after each anchor
+    init_state(S, max_len)    its state for S slots (slot 0 = null slot)
+    observe(state, tokens [R], hidden [R, n_taps, d], positions [R], slots [R], valid [R]) -> state
+                              committed tokens enter its context (rows with valid False or slot 0
+                              are ignored)
+    propose(state, anchors [B], slots [B], ctx_len [B]) -> logits [B, B_blk - 1, vocab] float32
+                              drafts are drawn from these logits by the engine
+
+Both methods are traced inside the engine's jitted step, so they must be pure jnp, and the
+proposer itself is a pytree (a flax struct dataclass) passed to the step as an argument, so its
+weights are inputs of the compiled step, never constants baked into it.
+"""
+from flax import struct
+
+from jaxspec import dflash
+from jaxspec.dflash import Draft
+from jaxspec.target import Target
+
+
+@struct.dataclass
+class DFlashProposer:
+    """DFlash block diffusion: one parallel forward over [anchor, MASK x (B-1)]."""
+
+    draft: Draft
+    target: Target
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    @property
+    def taps(self):
+        return self.draft.config.target_layer_ids
+
+    @property
+    def block_size(self):
+        return self.draft.config.block_size
+
+    def init_state(self, num_slots, max_len):
+        return dflash.init_state(self.draft.config, num_slots, max_len, self.target.dtype)
+
+    def observe(self, state, tokens, hidden, positions, slots, valid):
+        return dflash.write_context(self.draft, state, hidden, positions, slots, valid)
+
+    def propose(self, state, anchors, slots, ctx_len):
+        return dflash.propose(self.draft, self.target, state, anchors, slots, ctx_len, impl=self.impl)
