@@ -1,0 +1,167 @@
+"""The engine: lossless greedy decoding in every mode, continuous batching, bad input, memory."""
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+import jaxspec
+from jaxspec import dflash
+from jaxspec import target as target_mod
+from jaxspec.cache import cache_nbytes
+from jaxspec.config import DraftConfig, SpecConfig
+from jaxspec.engine import Engine
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxspec.load_target(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(7)
+    return [list(rng.integers(0, 512, n)) for n in (5, 17, 9, 30, 2, 11, 23, 8)]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """Target-only greedy decoding (mode none) of every prompt, run one at a time."""
+    engine = Engine(model, None, SpecConfig(verify_mode="none", num_slots=1, max_len=96))
+    return [r.tokens for r in engine.generate(prompts, max_new_tokens=MAX_NEW)]
+
+
+@struct.dataclass
+class OracleProposer:
+    """Proposes the target's own greedy continuation (cache-free forwards over the slot's token
+    history) and corrupts one random draft position per step, or none: every accepted length
+    0..B-1 becomes likely. Randomness comes from (slot, context length), so runs are reproducible."""
+
+    target: target_mod.Target
+    block_size: int = struct.field(pytree_node=False)
+    taps = ()
+
+    def init_state(self, num_slots, max_len):
+        return jnp.zeros((num_slots + 1, max_len), jnp.int32)
+
+    def observe(self, history, tokens, hidden, positions, slots, valid):
+        rows = jnp.where(valid & (slots > 0), slots, history.shape[0])
+        return history.at[rows, positions].set(tokens, mode="drop")
+
+    def propose(self, history, anchors, slots, ctx_len):
+        seq = history[slots].at[jnp.arange(slots.shape[0]), ctx_len].set(anchors)
+        length = ctx_len + 1
+        drafts = []
+        for _ in range(self.block_size - 1):
+            logits, *_ = target_mod._prefill_layers(self.target, seq, length, (), "ref")
+            nxt = jnp.argmax(jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0], -1)
+            drafts.append(nxt)
+            seq = seq.at[jnp.arange(slots.shape[0]), length].set(nxt)
+            length = length + 1
+        drafts = jnp.stack(drafts, axis=1)                                            # [B, blk-1]
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
+            slots, ctx_len)
+        where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none
+        bad = (drafts + 1 + jnp.arange(self.block_size - 1)[None, :]) % self.target.config.vocab_size
+        drafts = jnp.where(jnp.arange(self.block_size - 1)[None, :] == where[:, None], bad, drafts)
+        return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0
+
+
+def _random_draft(model, block_size, seed=0):
+    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=model.config.vocab_size,
+                         block_size=block_size, target_layer_ids=(1, 3), mask_token_id=511, target_hidden_size=64)
+    return dflash.init_draft(config, jax.random.PRNGKey(seed))
+
+
+@pytest.mark.parametrize("block_size,fold_policy", [(2, "every"), (4, "lazy"), (8, "every"), (16, "lazy")],
+                         ids=["B2-every", "B4-lazy", "B8-every", "B16-lazy"])
+def test_static_greedy_is_lossless(model, prompts, reference, block_size, fold_policy):
+    ring = 16 if fold_policy == "every" or block_size <= 8 else 32
+    spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, fold_policy=fold_policy, ring_len=ring)
+    engine = Engine(model, _random_draft(model, block_size), spec)
+    for batch in ([0], [1, 2, 3], list(range(8))):                     # 8 requests > 4 slots: a queue
+        results = engine.generate([prompts[i] for i in batch], max_new_tokens=MAX_NEW)
+        for i, r in zip(batch, results):
+            assert r.error is None
+            assert r.tokens == reference[i], f"prompt {i}, batch {batch}"
+
+
+@pytest.mark.parametrize("fold_policy", ["every", "lazy"])
+def test_oracle_drafts_hit_every_accept_length(model, prompts, reference, fold_policy):
+    block = 8
+    spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, fold_policy=fold_policy, ring_len=16)
+    engine = Engine(model, None, spec, proposer=OracleProposer(target=model, block_size=block))
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW)
+    seen = set()
+    for i, r in enumerate(results):
+        assert r.tokens == reference[i], f"prompt {i}"
+        seen.update(r.stats["accepted"])
+        steps = r.stats["steps"]
+        assert r.stats["accept_length"] == pytest.approx(sum(a + 1 for a in r.stats["accepted"]) / steps)
+    assert seen == set(range(block)), f"accepted lengths seen: {sorted(seen)}"
+
+
+def test_request_joining_mid_run_matches_running_alone(model, prompts):
+    spec = SpecConfig(verify_mode="static", num_slots=2, max_len=96)
+    engine = Engine(model, _random_draft(model, 4), spec)
+    for temperature in (0.0, 0.8):
+        together = engine.generate(prompts[:3], max_new_tokens=12, temperature=temperature, seed=[5, 6, 7])
+        alone = engine.generate(prompts[2:3], max_new_tokens=12, temperature=temperature, seed=7)
+        assert together[2].tokens == alone[0].tokens, f"temperature {temperature}"
+
+
+def test_bad_requests_are_refused_and_others_finish(model, prompts, reference):
+    engine = Engine(model, None, SpecConfig(verify_mode="none", num_slots=2, max_len=96))
+    bad = [[], [1, 512, 3], list(range(80))]
+    results = engine.generate([prompts[0]] + bad + [prompts[1]], max_new_tokens=MAX_NEW)
+    assert results[0].tokens == reference[0] and results[4].tokens == reference[1]
+    assert "prompt" in results[1].error and results[1].tokens == []
+    assert "512" in results[2].error and "vocabulary" in results[2].error
+    assert "max_new_tokens" in results[3].error
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"verify_mode": "fast"}, "verify_mode"), ({"num_slots": 0}, "num_slots"),
+    ({"block_size": 1}, "block_size"), ({"ring_len": 24}, "ring_len"),
+], ids=["mode", "slots", "block", "ring"])
+def test_invalid_spec_config_names_the_field(model, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Engine(model, _random_draft(model, 4), SpecConfig(**kwargs))
+
+
+def test_generate_arguments_are_checked(model):
+    engine = Engine(model, None, SpecConfig(verify_mode="none", num_slots=1, max_len=64))
+    for kwargs, field in (({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
+                          ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k")):
+        with pytest.raises(ValueError, match=field):
+            engine.generate([[1, 2]], **kwargs)
+
+
+def test_device_state_bytes_match_design_formula(model):
+    """No per-draft-token SSM state: the state is exactly DESIGN section 4's table."""
+    c = model.config
+    spec = SpecConfig(verify_mode="static", num_slots=3, max_len=64, ring_dtype="bfloat16", state_dtype="bfloat16")
+    engine = Engine(model, _random_draft(model, 8), spec)
+    s1, T, L, act = 4, 8, 16, 4                                          # float32 activations
+    g, a = 3, 1
+    H, HV, K, V, C, W = 2, 6, 16, 16, 160, 4
+    formula = (g * s1 * HV * K * V * 2                                    # bf16 checkpoint
+               + g * s1 * H * L * K * act                                 # ring keys
+               + 2 * g * s1 * HV * L * V * 2                              # ring updates, bf16 hi + lo
+               + g * s1 * HV * L * 4                                      # ring gates
+               + s1 * 4                                                   # write_pos
+               + g * s1 * (W - 1) * C * act + g * s1 * T * C * act        # conv state, saved window row
+               + 2 * a * s1 * 64 * c.num_key_value_heads * c.head_dim * act   # kv cache
+               + s1 * 4)                                                  # seq_len
+    leaves = jax.tree_util.tree_leaves(engine.state.cache)
+    assert sum(x.nbytes for x in leaves) == formula == cache_nbytes(c, engine.cache_config)
+    per_token_snapshot = T * HV * K * V
+    for x in leaves:
+        assert math.prod(x.shape[-3:]) < per_token_snapshot or x.shape[-2:] == (K, V) and T not in x.shape[:-2]
