@@ -21,7 +21,7 @@ from jaxspec.config import TargetConfig
 from jaxspec.ops import attention, conv, gdn, packing
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
 from jaxspec.ops.rope import apply_rope
-from jaxspec.weights import load_config, load_params
+from jaxspec.weights import load_config, load_params, param_shapes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -52,6 +52,27 @@ def _mlp(p, x):
     gate = jnp.dot(x, p["gate"], precision=HIGHEST, preferred_element_type=jnp.float32)
     up = jnp.dot(x, p["up"], precision=HIGHEST, preferred_element_type=jnp.float32)
     return _dense((jax.nn.silu(gate) * up).astype(x.dtype), p["down"])
+
+
+def init_target(config: TargetConfig, key, dtype=jnp.float32) -> Target:
+    """Random params: matrices N(0, 1/fan_in), zero-centred norm weights 0, the GDN output norm 1,
+    conv taps N(0, 1/W), A_log = log U(1, 16), dt_bias 0."""
+    shapes = param_shapes(config)
+    paths, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(paths))
+
+    def make(path, shape, k):
+        name = jax.tree_util.keystr(path[-1:])
+        if name == "['A_log']":
+            return jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
+        if name == "['norm']" and path[-2:-1] and jax.tree_util.keystr(path[-2:-1]) == "['gdn']":
+            return jnp.ones(shape)
+        if len(shape) == 1:
+            return jnp.zeros(shape)
+        return jax.random.normal(k, shape) * shape[-1 if name == "['conv']" else 0] ** -0.5
+
+    leaves = [make(p, s, k).astype(dtype) for (p, s), k in zip(paths, keys)]
+    return Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config)
 
 
 def lm_head(target: Target):

@@ -1,0 +1,223 @@
+"""Sampling: the processed target distribution, the draft distribution, chain acceptance.
+
+Target distribution (DESIGN section 7): top-k on the RAW logits (ties: lower token id first), divide
+only the k selected values by the temperature (a positive temperature keeps their order), softmax,
+then top-p within those k, renormalise. The result is a sparse distribution: k_max (probability,
+token id) pairs per row, sorted by probability descending, zeros beyond the row's cut. Nothing of
+vocabulary size is ever built from the logits but the top-k itself. Temperature 0 is greedy: a
+one-hot on the argmax (lowest id on ties).
+
+Acceptance (DESIGN sections 7, 8): window row t of a verify holds the target distribution after
+[anchor, d_1..d_t]; draft d_{t+1} is judged by row t. Request r verifies its first
+ℓ_r = num_verify[r] drafts; greedy rows accept while the draft equals the target argmax, sampling
+rows run standard chain rejection sampling; the bonus token comes from row a_r (a_r = accepted
+drafts): a residual sample max(p - q, 0) after a rejection, a plain sample from p when all ℓ_r
+drafts were accepted. Randomness is per request (one PRNG key per request per step), so a
+request's tokens do not depend on which other requests share its batch.
+
+Every function is pure jnp: jittable and vmappable.
+"""
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.ops.dispatch import use_kernel
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-request sampling parameters, arrays of shape [B].
+
+    temperature [B] float32   0 = greedy; > 0 divides the selected logits
+    top_k       [B] int32     0 (or >= vocab) = no top-k cut; always capped by the static max_top_k
+    top_p       [B] float32   nucleus mass in (0, 1]; >= 1 = off
+    """
+
+    temperature: jnp.ndarray
+    top_k: jnp.ndarray
+    top_p: jnp.ndarray
+
+    @classmethod
+    def create(cls, batch, temperature=0.0, top_k=0, top_p=1.0):
+        """Broadcast scalars or [batch] sequences to the three [batch] arrays."""
+        return cls(
+            temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,)),
+            top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch,)),
+            top_p=jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,)),
+        )
+
+    @classmethod
+    def greedy(cls, batch):
+        return cls.create(batch)
+
+
+def _per_row(x, lead):
+    """x [lead[:n]] (a prefix of the row dims, e.g. [B] for rows [B, T]) -> x broadcast to lead."""
+    x = jnp.asarray(x)
+    if x.shape != tuple(lead[:x.ndim]):
+        raise ValueError(f"per-request array of shape {x.shape} does not prefix the row shape {tuple(lead)}")
+    return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead) - x.ndim)), lead)
+
+
+# ------------------------------------------------------------------------------ target side
+
+def greedy_tokens(logits, *, impl="auto"):
+    """logits [..., vocab] (any float dtype) -> argmax [...] int32, the lowest id on ties."""
+    use_kernel("greedy_tokens", impl, None)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def target_distribution(logits, params, max_top_k, *, impl="auto"):
+    """The processed target distribution as k_max (probability, token id) pairs per row.
+
+    logits [..., vocab] (any float dtype; usually [R, vocab] or [B, T, vocab]);
+    params: SamplingParams whose [B] fields prefix the row dims (shape [R] for [R, vocab] logits,
+      [B] for [B, T, vocab]: one request's parameters apply to all its rows);
+    max_top_k: static int; k_max = min(max_top_k, vocab).
+    -> (probs [..., k_max] float32, token_ids [..., k_max] int32), sorted by raw logit descending
+    (ties: lower id first). Per row: k = min(top_k if 0 < top_k < vocab else vocab, k_max); the first
+    k entries get softmax(logit / temperature); top-p keeps the shortest prefix of them whose mass
+    is >= top_p (at least one token); the kept mass is renormalised; every other entry is 0.
+    Greedy rows (temperature <= 0): probs = [1, 0, ...] on the argmax (lowest id on ties).
+    A row whose selected logits are all -inf falls back to the one-hot on its first entry.
+    """
+    use_kernel("target_distribution", impl, None)
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    if not isinstance(max_top_k, int) or max_top_k < 1:
+        raise ValueError(f"max_top_k={max_top_k!r}: must be a positive Python int (it is a static shape)")
+    k_max = min(max_top_k, vocab)
+    temperature = _per_row(params.temperature, lead).astype(jnp.float32)
+    top_k = _per_row(params.top_k, lead).astype(jnp.int32)
+    top_p = _per_row(params.top_p, lead).astype(jnp.float32)
+
+    vals, ids = jax.lax.top_k(logits, k_max)                       # stable: lower id first on ties
+    vals = vals.astype(jnp.float32)
+    pos = jnp.arange(k_max, dtype=jnp.int32)
+    k_row = jnp.where((top_k <= 0) | (top_k >= vocab), k_max, jnp.minimum(top_k, k_max))
+    in_k = pos < k_row[..., None]
+
+    greedy = temperature <= 0.0
+    top = vals[..., :1]                                            # the row max (order is kept)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    scaled = (vals - top) / jnp.where(greedy, 1.0, temperature)[..., None]
+    scaled = jnp.where(in_k, scaled, -jnp.inf)
+    e = jnp.exp(scaled)                                            # <= 1, exp(-inf) = 0
+    probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+    mass_before = jnp.cumsum(probs, axis=-1) - probs               # exclusive prefix mass
+    keep = (mass_before < top_p[..., None]) | (top_p[..., None] >= 1.0) | (pos == 0)
+    probs = jnp.where(keep, probs, 0.0)
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    one_hot = (pos == 0).astype(jnp.float32)
+    probs = jnp.where((total > 0) & ~greedy[..., None], probs / jnp.where(total > 0, total, 1.0), one_hot)
+    return probs, ids.astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ draft side
+
+def draft_distribution(draft_logits, temperature):
+    """q = softmax(draft_logits / temperature) over the full vocabulary.
+
+    draft_logits [..., vocab] (any float dtype); temperature f32 of a shape that prefixes the row
+    dims (e.g. [B] for [B, T-1, vocab]), or a scalar. -> q [..., vocab] float32.
+    Greedy rows (temperature <= 0): one-hot on the argmax (lowest id on ties).
+    """
+    lead, vocab = draft_logits.shape[:-1], draft_logits.shape[-1]
+    t = _per_row(jnp.asarray(temperature, jnp.float32), lead)[..., None]
+    x = draft_logits.astype(jnp.float32)
+    soft = jax.nn.softmax(x / jnp.where(t > 0, t, 1.0), axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(x, axis=-1), vocab, dtype=jnp.float32)
+    return jnp.where(t > 0, soft, hard)
+
+
+def sample_draft(key, q):
+    """Draw one token per row of q.
+
+    key: one PRNG key (typed key or raw uint32 [2]) for the whole q, or a batch of keys whose batch
+    shape prefixes q's rows (e.g. keys [B] for q [B, T-1, vocab]: one key per request, so a request's
+    draws do not depend on its batch). q [..., vocab] float32 probabilities.
+    -> tokens [...] int32. Zero-probability tokens are never drawn.
+    """
+    key_shape = key.shape if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
+    if key_shape:
+        return jax.vmap(sample_draft)(key, q)
+    return jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ acceptance
+
+def _accept_one(key, probs, ids, drafts, q_at_draft, q_at_ids, num_verify, temperature):
+    """One request. probs/ids [T, K], drafts [T-1], q_at_draft [T-1], q_at_ids [T-1, K],
+    num_verify and temperature scalars -> (num_accepted, bonus, emitted [T])."""
+    t_len = probs.shape[0]
+    key_u, key_bonus = jax.random.split(key)
+    steps = jnp.arange(t_len - 1)
+    verified = steps < num_verify
+
+    # greedy: the target argmax of every row (probs are sorted, but do not rely on it)
+    argmax_tok = jnp.take_along_axis(ids, jnp.argmax(probs, axis=-1)[:, None], axis=-1)[:, 0]
+    ok_greedy = drafts == argmax_tok[:-1]
+    # sampling: accept d with probability min(1, p(d) / q(d)), i.e. u * q(d) < p(d), u ~ U[0, 1)
+    p_at_draft = jnp.sum(jnp.where(ids[:-1] == drafts[:, None], probs[:-1], 0.0), axis=-1)
+    u = jax.random.uniform(key_u, (t_len - 1,), jnp.float32)
+    ok_sample = u * q_at_draft < p_at_draft
+    greedy = temperature <= 0.0
+    ok = jnp.where(greedy, ok_greedy, ok_sample) & verified       # NaN garbage rows compare False
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
+
+    # bonus from row a: residual after a rejection (a < num_verify), else a plain sample from p_a
+    p_a = probs[a]
+    q_a = q_at_ids[jnp.minimum(a, t_len - 2)]
+    rejected = a < num_verify
+    residual = jnp.maximum(p_a - q_a, 0.0)
+    residual_ok = jnp.sum(residual) > 0.0                          # p == q exactly: fall back to p
+    w = jnp.where(rejected & residual_ok, residual, p_a)
+    idx = jax.random.categorical(key_bonus, jnp.log(w))
+    sampled = ids[a, idx]
+    bonus = jnp.where(greedy, argmax_tok[a], sampled).astype(jnp.int32)
+
+    pos = jnp.arange(t_len)
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])
+    emitted = jnp.where(pos < a, drafts_pad, jnp.where(pos == a, bonus, -1)).astype(jnp.int32)
+    return a, bonus, emitted
+
+
+def accept(keys, target_probs, target_ids, draft_tokens, draft_q, num_verify, temperature):
+    """Chain acceptance for one step of B requests, each with its own verify cap.
+
+    keys          [B] PRNG keys (typed keys [B] or raw uint32 [B, 2]): one per request per step
+    target_probs  [B, T, K] float32  from target_distribution; row t = after [anchor, d_1..d_t]
+    target_ids    [B, T, K] int32
+    draft_tokens  [B, T-1] int32     d_1..d_{T-1}
+    draft_q       [B, T-1, vocab] float32, the distribution each draft was drawn from; None for
+                  deterministic (greedy) drafts, i.e. q = one-hot on the draft token
+    num_verify    [B] int32          drafts actually verified, ℓ in 0..T-1 (clipped to it)
+    temperature   [B] float32 (or a scalar)   <= 0 = greedy rule, > 0 = rejection sampling
+    -> (num_accepted [B] int32 in 0..ℓ, bonus [B] int32,
+        emitted [B, T] int32: the accepted drafts, then the bonus, then -1 padding)
+
+    Only rows 0..ℓ of the target and rows 0..ℓ-1 of drafts / q are read (the rest may be garbage).
+    Greedy: accept while d_{t+1} == argmax row t; bonus = argmax of row a. Sampling: accept d_{t+1}
+    with probability min(1, p_t(d) / q_t(d)); on the first rejection (row a) the bonus is drawn from
+    max(p_a - q_a, 0) normalised (p on its k support, q at those ids); if all ℓ drafts are accepted
+    the bonus is drawn from p_ℓ.
+    """
+    b, t_len, _ = target_probs.shape
+    if draft_tokens.shape != (b, t_len - 1):
+        raise ValueError(f"draft_tokens {draft_tokens.shape}: expected {(b, t_len - 1)}")
+    num_verify = jnp.clip(num_verify.astype(jnp.int32), 0, t_len - 1)
+    drafts = draft_tokens.astype(jnp.int32)
+    if t_len == 1:                                                 # no drafts: q is never read
+        q_at_draft = jnp.ones((b, 0), jnp.float32)
+        q_at_ids = jnp.zeros((b, 1) + target_ids.shape[2:], jnp.float32)
+    elif draft_q is None:                                          # deterministic draft: q = one-hot
+        q_at_draft = jnp.ones((b, t_len - 1), jnp.float32)
+        q_at_ids = (target_ids[:, :-1] == drafts[..., None]).astype(jnp.float32)
+    else:
+        dq = draft_q.astype(jnp.float32)
+        vocab = dq.shape[-1]
+        q_at_draft = jnp.take_along_axis(dq, jnp.clip(drafts, 0, vocab - 1)[..., None], axis=-1)[..., 0]
+        q_at_ids = jnp.take_along_axis(dq, target_ids[:, :-1], axis=-1)
+    return jax.vmap(_accept_one)(keys, target_probs.astype(jnp.float32), target_ids.astype(jnp.int32),
+                                 drafts, q_at_draft, q_at_ids, num_verify,
+                                 jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)))

@@ -1,0 +1,379 @@
+"""Sampling: the processed target distribution against an independent numpy reference, greedy
+acceptance on hand-made cases, and losslessness of speculative sampling by a chi-square test on
+the first emitted tokens of a small Markov target (with a wrong rule to show the test has power).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stats import chi2_test
+from jaxspec.ops.sampling import (SamplingParams, accept, draft_distribution, greedy_tokens,
+                                  sample_draft, target_distribution)
+
+# jitted entry points (eager dispatch of many small ops is slower than one compile on CPU)
+_target_distribution = jax.jit(target_distribution, static_argnums=2)
+_accept = jax.jit(accept)
+
+# ------------------------------------------------------------------------------ numpy reference
+
+
+def np_target(logits, temperature, top_k, top_p, max_top_k):
+    """One row, float64, written from the spec: -> (probs [k_max], ids [k_max])."""
+    logits = np.asarray(logits, np.float64)
+    vocab = logits.shape[0]
+    k_max = min(max_top_k, vocab)
+    order = sorted(range(vocab), key=lambda i: (-logits[i], i))[:k_max]   # ties: lower id first
+    ids = np.array(order, np.int64)
+    k = k_max if (top_k <= 0 or top_k >= vocab) else min(top_k, k_max)
+    probs = np.zeros(k_max)
+    if temperature <= 0:
+        probs[0] = 1.0
+        return probs, ids
+    z = logits[ids[:k]] / temperature
+    if not np.isfinite(z.max()):
+        probs[0] = 1.0
+        return probs, ids
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        mass, n = 0.0, 0
+        while n < k:
+            mass += p[n]
+            n += 1
+            if mass >= top_p:
+                break
+        # keep the float32 implementation away from an ambiguous boundary
+        assert n == k or abs(mass - top_p) > 1e-4 and abs(mass - p[n - 1] - top_p) > 1e-4, "boundary too close"
+        p[n:] = 0.0
+        p /= p.sum()
+    probs[:k] = p
+    return probs, ids
+
+
+def np_target_rows(logits, temperature, top_k, top_p, max_top_k):
+    out = [np_target(l, t, k, p, max_top_k) for l, t, k, p in zip(logits, temperature, top_k, top_p)]
+    return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
+
+
+# ------------------------------------------------------------------------------ target_distribution
+
+VOCAB = 40
+
+
+def _mixed_rows(rng):
+    """Rows that cover ties, -inf, top_k 1 / vocab / 0 / above max, top_p small / 1, temperatures."""
+    rows, params = [], []
+    temps = [1.0, 0.05, 25.0, 0.0, 0.7]
+    top_ks = [0, 1, 5, VOCAB, VOCAB + 3, 12]
+    top_ps = [1.0, 0.03, 0.9, 0.5]
+    for i in range(24):
+        kind = i % 4
+        if kind == 0:
+            l = rng.standard_normal(VOCAB) * 2.0
+        elif kind == 1:                                   # heavy ties
+            l = rng.integers(-2, 3, VOCAB).astype(np.float64)
+        elif kind == 2:                                   # some -inf
+            l = rng.standard_normal(VOCAB)
+            l[rng.choice(VOCAB, VOCAB // 2, replace=False)] = -np.inf
+        else:                                             # almost all -inf, fewer finite than k
+            l = np.full(VOCAB, -np.inf)
+            l[[3, 17, 30]] = [0.5, 0.5, -1.0]
+        rows.append(l)
+        params.append((temps[i % 5], top_ks[i % 6], top_ps[(i // 2) % 4]))
+    rows.append(np.full(VOCAB, -np.inf))                  # all -inf: one-hot on the first entry
+    params.append((1.0, 0, 1.0))
+    rows.append(np.zeros(VOCAB))                          # all tied
+    params.append((1.0, 7, 1.0))
+    t, k, p = (np.array(x) for x in zip(*params))
+    return np.stack(rows).astype(np.float32), t.astype(np.float32), k.astype(np.int32), p.astype(np.float32)
+
+
+@pytest.mark.parametrize("max_top_k", [VOCAB, 8, 2 * VOCAB])
+def test_target_distribution_matches_reference(max_top_k):
+    rng = np.random.default_rng(0)
+    logits, t, k, p = _mixed_rows(rng)
+    params = SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p))
+    probs, ids = _target_distribution(jnp.asarray(logits), params, max_top_k)
+    ref_p, ref_ids = np_target_rows(logits, t, k, p, max_top_k)
+    k_max = min(max_top_k, VOCAB)
+    assert probs.shape == (len(logits), k_max) and probs.dtype == jnp.float32
+    assert ids.shape == (len(logits), k_max) and ids.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(ids), ref_ids)
+    np.testing.assert_allclose(np.asarray(probs), ref_p, atol=2e-6, rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(probs)))
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, atol=1e-5)
+
+
+def test_top_k_ties_lower_id_first():
+    logits = jnp.array([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0, 0.0, 2.0],
+                        [5.0] * 8], jnp.float32)
+    probs, ids = _target_distribution(logits, SamplingParams.create(2, 1.0, 0, 1.0), 8)
+    np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 4, 7, 2, 5, 0, 6], list(range(8))])
+    np.testing.assert_allclose(np.asarray(probs[1]), 1 / 8, rtol=1e-6)
+    # top_k = 2 on four tied maxima keeps the two lowest ids
+    probs, ids = _target_distribution(logits, SamplingParams.create(2, 1.0, 2, 1.0), 8)
+    np.testing.assert_allclose(np.asarray(probs[:, :2]), 0.5, rtol=1e-6)
+    assert not np.asarray(probs[:, 2:]).any()
+    # greedy: one-hot on the lowest id of the maxima, same as greedy_tokens
+    probs, ids = _target_distribution(logits, SamplingParams.greedy(2), 3)
+    np.testing.assert_array_equal(np.asarray(probs), [[1, 0, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(ids[:, 0]), [1, 0])
+    np.testing.assert_array_equal(np.asarray(greedy_tokens(logits)), [1, 0])
+    # bfloat16 logits with ties
+    _, ids = _target_distribution(logits.astype(jnp.bfloat16), SamplingParams.create(2, 1.0), 4)
+    np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 4, 7], [0, 1, 2, 3]])
+
+
+def test_target_distribution_block_rows_and_vmap():
+    """[B, T, vocab] logits with [B] params equal the flattened [B*T] call; vmap agrees."""
+    rng = np.random.default_rng(1)
+    B, T = 3, 4
+    logits = jnp.asarray(rng.standard_normal((B, T, VOCAB)).astype(np.float32))
+    params = SamplingParams.create(B, [0.0, 0.8, 1.3], [0, 5, 9], [1.0, 0.7, 0.95])
+    probs, ids = _target_distribution(logits, params, 10)
+    flat = SamplingParams(*(jnp.repeat(x, T) for x in (params.temperature, params.top_k, params.top_p)))
+    fp, fi = _target_distribution(logits.reshape(B * T, VOCAB), flat, 10)
+    np.testing.assert_array_equal(np.asarray(probs).reshape(B * T, -1), np.asarray(fp))
+    np.testing.assert_array_equal(np.asarray(ids).reshape(B * T, -1), np.asarray(fi))
+    vp, vi = jax.vmap(lambda l, t, k, p: target_distribution(l, SamplingParams(t, k, p), 10))(
+        logits, params.temperature[:, None].repeat(T, 1), params.top_k[:, None].repeat(T, 1),
+        params.top_p[:, None].repeat(T, 1))
+    np.testing.assert_allclose(np.asarray(vp), np.asarray(probs), atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(vi), np.asarray(ids))
+
+
+def test_draft_distribution_and_sample():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((2, 3, VOCAB)).astype(np.float32)
+    logits[0, 1, [4, 9]] = 10.0                                   # tie at the argmax
+    q = draft_distribution(jnp.asarray(logits), jnp.array([0.0, 0.5]))
+    assert q.shape == (2, 3, VOCAB) and q.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(q[0]), np.eye(VOCAB)[logits[0].argmax(-1)])
+    assert np.asarray(q[0, 1, 4]) == 1.0
+    e = np.exp(logits[1] / 0.5 - (logits[1] / 0.5).max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(q[1]), e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    keys = jax.random.split(jax.random.key(0), 2)
+    tok = jax.jit(sample_draft)(keys, q)
+    assert tok.shape == (2, 3) and tok.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(tok[0]), logits[0].argmax(-1))
+    # one key per request: a request's draws do not depend on its batch
+    np.testing.assert_array_equal(np.asarray(sample_draft(keys[1], q[1])), np.asarray(tok[1]))
+    # zero-probability tokens are never drawn
+    qs = jnp.zeros((4000, VOCAB)).at[:, [2, 5]].set(0.5)
+    draws = np.asarray(jax.jit(sample_draft)(jax.random.key(3), qs))
+    assert set(np.unique(draws)) == {2, 5}
+
+
+# ------------------------------------------------------------------------------ greedy acceptance
+
+
+def test_greedy_accept_every_length_and_cap():
+    """T = 5: for every true match length m in 0..4 and every cap l in 0..4, accepted = min(m, l),
+    bonus = argmax of row min(m, l). Rows after the cap are NaN garbage and must not be read."""
+    T, V = 5, 12
+    argmax = np.array([3, 7, 1, 4, 9])
+    cases = [(m, l) for m in range(T) for l in range(T)]
+    B = len(cases)
+    logits = np.tile(np.arange(V, dtype=np.float32) * 0.01, (B, T, 1))
+    for t in range(T):
+        logits[:, t, argmax[t]] = 5.0
+        logits[:, t, argmax[t] + 1] = 5.0                       # tie: the lower id wins
+    probs, ids = _target_distribution(jnp.asarray(logits), SamplingParams.greedy(B), 4)
+    probs, ids = np.asarray(probs).copy(), np.asarray(ids)
+    drafts = np.zeros((B, T - 1), np.int32)
+    nv = np.zeros(B, np.int32)
+    for b, (m, l) in enumerate(cases):
+        drafts[b] = argmax[:T - 1]
+        if m < T - 1:
+            drafts[b, m] = argmax[m] + 1                        # the tied, higher id: a mismatch
+        nv[b] = l
+        probs[b, l + 1:] = np.nan                               # rows past the cap are garbage
+    keys = jax.random.split(jax.random.key(0), B)
+    rng = np.random.default_rng(0)
+    q = rng.dirichlet(np.ones(V), (B, T - 1)).astype(np.float32)
+    for draft_q in (None, jnp.asarray(q)):
+        a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
+                                            draft_q, jnp.asarray(nv), jnp.zeros(B))
+        a, bonus, emitted = np.asarray(a), np.asarray(bonus), np.asarray(emitted)
+        for b, (m, l) in enumerate(cases):
+            n = min(m, l)
+            assert a[b] == n, (m, l)
+            assert bonus[b] == argmax[n], (m, l)
+            np.testing.assert_array_equal(emitted[b], list(argmax[:n]) + [argmax[n]] + [-1] * (T - 1 - n))
+        assert a.dtype == np.int32 and bonus.dtype == np.int32 and emitted.dtype == np.int32
+
+
+def test_sampling_accept_edges_and_per_request_keys():
+    """p one-hot: sampling acceptance is the greedy rule; rows beyond the cap are garbage;
+    each request's result depends only on its own key."""
+    T, V, K = 4, 10, 3
+    B = 6
+    probs = np.zeros((B, T, K), np.float32)
+    probs[:, :, 0] = 1.0
+    ids = np.tile(np.array([5, 1, 2]), (B, T, 1)).astype(np.int32)
+    drafts = np.array([[5, 5, 5], [5, 1, 5], [1, 5, 5], [5, 5, 5], [5, 5, 2], [5, 5, 5]], np.int32)
+    nv = np.array([3, 3, 3, 1, 3, 0], np.int32)
+    q = np.full((B, T - 1, V), 1.0 / V, np.float32)
+    keys = jax.random.split(jax.random.key(1), B)
+    a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
+                               jnp.asarray(q), jnp.asarray(nv), jnp.ones(B))
+    np.testing.assert_array_equal(np.asarray(a), [3, 1, 0, 1, 2, 0])
+    np.testing.assert_array_equal(np.asarray(bonus), [5] * B)
+    assert np.asarray(emitted)[1].tolist() == [5, 5, -1, -1]
+    # per-request reproducibility: a random target, then a sub-batch in another order
+    rng = np.random.default_rng(3)
+    probs = rng.dirichlet(np.ones(K), (B, T)).astype(np.float32)
+    ids = np.stack([rng.permutation(V)[:K] for _ in range(B * T)]).reshape(B, T, K).astype(np.int32)
+    drafts = ids[:, :-1, 0]
+    q = rng.dirichlet(np.ones(V), (B, T - 1)).astype(np.float32)
+    nv = np.array([3, 2, 3, 1, 0, 3], np.int32)
+    full = _accept(keys, *map(jnp.asarray, (probs, ids, drafts, q, nv)), jnp.full(B, 0.9))
+    sub = np.array([4, 1, 5])
+    part = _accept(keys[sub], *(jnp.asarray(x[sub]) for x in (probs, ids, drafts, q, nv)), jnp.full(3, 0.9))
+    for f, p in zip(full, part):
+        np.testing.assert_array_equal(np.asarray(f)[sub], np.asarray(p))
+    # vmappable: two halves of the batch under vmap give the same result
+    halves = jax.vmap(accept)(keys.reshape(2, 3), *(jnp.asarray(x).reshape((2, 3) + x.shape[1:])
+                                                    for x in (probs, ids, drafts, q, nv)), jnp.full((2, 3), 0.9))
+    for f, h in zip(full, halves):
+        np.testing.assert_array_equal(np.asarray(f), np.asarray(h).reshape(np.asarray(f).shape))
+
+
+# ------------------------------------------------------------------------------ losslessness
+
+V = 16
+T = 4                 # anchor + 3 drafts
+N_SAMPLES = 50_000
+N_TOKENS = 3          # the first 3 emitted tokens are compared with the exact target
+
+
+def _tables():
+    rng = np.random.default_rng(7)
+    target = (rng.standard_normal((V, V)) * 1.6).astype(np.float32)
+    # a draft that is correlated with the target but clearly different
+    draft = (0.6 * target + rng.standard_normal((V, V)) * 1.2).astype(np.float32)
+    return target, draft
+
+
+def _accept_maybe_wrong(wrong, keys, probs, ids, drafts, q, nv, temperature):
+    """accept, or (wrong = True, traced) the classic bug: accept with min(1, p/q) but draw the bonus
+    after a rejection from p instead of the residual."""
+    a, bonus, emitted = accept(keys, probs, ids, drafts, q, nv, temperature)
+    rows = jnp.arange(probs.shape[0])
+    p_a, ids_a = probs[rows, a], ids[rows, a]
+    k2 = jax.vmap(lambda k: jax.random.fold_in(k, 99))(keys)
+    idx = jax.vmap(jax.random.categorical)(k2, jnp.log(p_a))
+    plain = ids_a[rows, idx]
+    bonus = jnp.where(wrong & (a < nv), plain, bonus)
+    emitted = jnp.where(jnp.arange(T)[None] == a[:, None], bonus[:, None], emitted)
+    return a, bonus, emitted
+
+
+RANDOM_CAP = -1
+
+
+@functools.partial(jax.jit, static_argnames=("max_top_k", "greedy_draft"))
+def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, wrong, *, max_top_k, greedy_draft):
+    """N_SAMPLES independent generations from anchor 0 by speculative decoding; -> first N_TOKENS
+    emitted tokens [N, N_TOKENS]. The draft samples autoregressively at draft_temp [N]; greedy_draft
+    passes q = None (draft_temp must then be 0). cap (traced int): T-1 = verify every draft, 0..T-2 =
+    a fixed cap, RANDOM_CAP = a cap drawn uniformly in 0..T-1 per request per step (drawn from its
+    own key, independent of the drafts' values). wrong (traced bool): use the wrong bonus rule."""
+    n = N_SAMPLES
+    keys = jax.random.split(key, n)
+
+    def draft_step(carry, k):                        # k [N] keys, one per request
+        q = draft_distribution(draft_tab[carry], draft_temp)
+        d = sample_draft(k, q)
+        return d, (d, q)
+
+    def spec_step(carry, step):                      # each step emits >= 1 token
+        anchor, out, count = carry
+        step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step), T + 1))(keys)
+        _, (drafts, qs) = jax.lax.scan(draft_step, anchor, jnp.swapaxes(step_keys[:, :T - 1], 0, 1))
+        drafts = drafts.T                                               # [N, T-1]
+        q = None if greedy_draft else jnp.swapaxes(qs, 0, 1)            # [N, T-1, V]
+        window = jnp.concatenate([anchor[:, None], drafts], 1)          # row t conditions on token t
+        probs, ids = target_distribution(target_tab[window], params, max_top_k)
+        random_nv = jax.vmap(lambda k: jax.random.randint(k, (), 0, T))(step_keys[:, T - 1])
+        nv = jnp.where(cap == RANDOM_CAP, random_nv, cap).astype(jnp.int32)
+        a, bonus, emitted = _accept_maybe_wrong(wrong, step_keys[:, T], probs, ids, drafts, q, nv, params.temperature)
+        pos = count[:, None] + jnp.arange(T)[None]
+        pos = jnp.where(emitted >= 0, pos, N_TOKENS + T)                # out of range: dropped
+        out = jax.vmap(lambda o, p, e: o.at[p].set(e, mode="drop"))(out, pos, emitted)
+        return (bonus, out, count + a + 1), None
+
+    init = (jnp.zeros(n, jnp.int32), jnp.full((n, N_TOKENS + T), -1, jnp.int32), jnp.zeros(n, jnp.int32))
+    (_, out, _), _ = jax.lax.scan(spec_step, init, jnp.arange(N_TOKENS))
+    return out[:, :N_TOKENS]
+
+
+def _exact_joint(target_tab, temperature, top_k, top_p, max_top_k):
+    """P(x1, x2, x3) of the processed target chain from anchor 0, [V, V, V]."""
+    p, ids = np_target_rows(target_tab, [temperature] * V, [top_k] * V, [top_p] * V, max_top_k)
+    dense = np.zeros((V, V))
+    np.put_along_axis(dense, ids, p, axis=1)
+    return dense[0][:, None, None] * dense[:, :, None] * dense[None, :, :]
+
+
+def _pvalues(tokens, joint):
+    tokens = np.asarray(tokens)
+    assert tokens.min() >= 0
+    c3 = np.zeros((V, V, V))
+    np.add.at(c3, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
+    return {
+        "joint123": chi2_test(c3, joint)[2],
+        "joint12": chi2_test(c3.sum(2), joint.sum(2))[2],
+        "x1": chi2_test(c3.sum((1, 2)), joint.sum((1, 2)))[2],
+        "x2": chi2_test(c3.sum((0, 2)), joint.sum((0, 2)))[2],
+        "x3": chi2_test(c3.sum((0, 1)), joint.sum((0, 1)))[2],
+    }
+
+
+CONFIGS = {
+    # name: (temperature, top_k, top_p, max_top_k, cap, greedy_draft)
+    "plain": (1.0, 0, 1.0, V, T - 1, False),
+    "cap-random": (1.0, 0, 1.0, V, RANDOM_CAP, False),
+    "cap1-topk-topp-temp": (0.7, 6, 0.85, 8, 1, False),
+    "cap-random-topk-topp-temp": (1.4, 5, 0.9, 8, RANDOM_CAP, False),
+    "greedy-draft-cap-random-topp": (0.8, 0, 0.8, V, RANDOM_CAP, True),
+}
+
+
+def _run(name, wrong=False, seed=0):
+    temperature, top_k, top_p, max_top_k, cap, greedy_draft = CONFIGS[name]
+    target_tab, draft_tab = _tables()
+    params = SamplingParams.create(N_SAMPLES, temperature, top_k, top_p)
+    draft_temp = jnp.zeros(N_SAMPLES) if greedy_draft else params.temperature
+    tokens = _simulate(jax.random.key(seed), jnp.asarray(target_tab), jnp.asarray(draft_tab), params, draft_temp,
+                       jnp.int32(cap), jnp.bool_(wrong), max_top_k=max_top_k, greedy_draft=greedy_draft)
+    return _pvalues(tokens, _exact_joint(target_tab, temperature, top_k, top_p, max_top_k))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_speculative_sampling_is_lossless(name):
+    pv = _run(name)
+    assert min(pv.values()) > 1e-3, pv
+
+
+@pytest.mark.parametrize("name", ["plain", "cap1-topk-topp-temp"])
+def test_lossless_harness_detects_a_wrong_rule(name):
+    pv = _run(name, wrong=True)
+    assert pv["joint123"] < 1e-3, pv
+
+
+def test_greedy_target_emits_the_greedy_chain():
+    """Temperature 0 with a draft sampled at temperature 1: every sample emits the greedy chain."""
+    target_tab, draft_tab = _tables()
+    params = SamplingParams.greedy(N_SAMPLES)
+    tokens = np.asarray(_simulate(jax.random.key(5), jnp.asarray(target_tab), jnp.asarray(draft_tab), params,
+                                  jnp.ones(N_SAMPLES), jnp.int32(RANDOM_CAP), jnp.bool_(False), max_top_k=V,
+                                  greedy_draft=False))
+    chain, x = [], 0
+    for _ in range(N_TOKENS):
+        x = int(np.argmax(target_tab[x]))
+        chain.append(x)
+    assert (tokens == np.array(chain)).all()
