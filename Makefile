@@ -18,7 +18,7 @@ test: venv
 	$(PY) -m pytest -q
 
 demo: venv
-	$(VENV)/bin/jaxspec info tests/fixtures/tiny-qwen3_5
+	$(VENV)/bin/jaxspec generate --target tests/fixtures/tiny-qwen3_5 --verify-mode none --prompt "def main():" --max-new-tokens 32
 
 bench: venv
 	$(PY) bench/kernels.py
