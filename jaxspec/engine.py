@@ -260,21 +260,29 @@ class Engine:
             if int(tok) in eos or len(req.tokens) >= max_new_tokens or stopped:
                 finish(req)
 
-        while queue or active:
+        # One step in flight: step k + 1 is dispatched before the host reads step k's tokens, so
+        # the host never waits for the device between steps. A request that finished at step k
+        # runs one more (discarded) row in step k + 1; its slot is reused after that.
+        in_flight = None
+        while queue or active or in_flight:
             if queue and free:
                 self._admit([queue.popleft() for _ in range(min(len(queue), len(free)))], free, active, params, emit)
-            if not active:
-                continue
-            slots = np.array([s if s in active else 0 for s in range(1, self.spec.num_slots + 1)], np.int32)
-            self.state, emitted, accepted = self._step(self.state, self.target, self.proposer, jnp.asarray(slots),
-                                                       greedy=greedy)
-            emitted, accepted = np.asarray(emitted), np.asarray(accepted)
-            for row, slot in enumerate(slots):
-                req = active.get(int(slot))
-                if req is None:
-                    continue
-                req.accepted.append(int(accepted[row]))
-                for tok in emitted[row, :accepted[row] + 1]:
-                    if not req.done:
-                        emit(req, tok)
+            dispatched = None
+            if active:
+                rows = [active.get(s) for s in range(1, self.spec.num_slots + 1)]
+                slots = jnp.asarray([0 if r is None else r.slot for r in rows], jnp.int32)
+                self.state, emitted, accepted = self._step(self.state, self.target, self.proposer, slots,
+                                                           greedy=greedy)
+                dispatched = (rows, emitted, accepted)
+            if in_flight is not None:
+                rows, emitted, accepted = in_flight
+                emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+                for row, req in enumerate(rows):
+                    if req is None or req.done:
+                        continue
+                    req.accepted.append(int(accepted[row]))
+                    for tok in emitted[row, :accepted[row] + 1]:
+                        if not req.done:
+                            emit(req, tok)
+            in_flight = dispatched
         return results

@@ -55,16 +55,18 @@ class OracleProposer:
         return history.at[rows, positions].set(tokens, mode="drop")
 
     def propose(self, history, anchors, slots, ctx_len):
-        seq = history[slots].at[jnp.arange(slots.shape[0]), ctx_len].set(anchors)
-        length = ctx_len + 1
-        drafts = []
-        for _ in range(self.block_size - 1):
+        rows = jnp.arange(slots.shape[0])
+        seq = history[slots].at[rows, ctx_len].set(anchors)
+
+        def greedy_next(i, carry):                      # one cache-free forward per draft position
+            seq, drafts = carry
+            length = ctx_len + 1 + i
             logits, *_ = target_mod._prefill_layers(self.target, seq, length, (), "ref")
             nxt = jnp.argmax(jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0], -1)
-            drafts.append(nxt)
-            seq = seq.at[jnp.arange(slots.shape[0]), length].set(nxt)
-            length = length + 1
-        drafts = jnp.stack(drafts, axis=1)                                            # [B, blk-1]
+            return seq.at[rows, length].set(nxt), drafts.at[:, i].set(nxt)
+
+        drafts = jnp.zeros((slots.shape[0], self.block_size - 1), jnp.int32)
+        _, drafts = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts))
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
             slots, ctx_len)
         where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none
@@ -91,6 +93,7 @@ def test_static_greedy_is_lossless(model, prompts, reference, block_size, fold_p
         for i, r in zip(batch, results):
             assert r.error is None
             assert r.tokens == reference[i], f"prompt {i}, batch {batch}"
+    assert engine._step._cache_size() == 1, "the step recompiled for a new mix of requests"
 
 
 @pytest.mark.parametrize("fold_policy", ["every", "lazy"])

@@ -161,7 +161,9 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, impl="auto"):
     num_records [S1] int32. The optional leading axis is the GDN layer: all layers in one call.
     Returns the new checkpoint in ckpt's dtype; a slot with 0 records is unchanged.
     """
-    use_kernel("gdn_fold", impl, None)
+    from jaxspec.pallas import fold as pallas_fold
+    if use_kernel("gdn_fold", impl, lambda: pallas_fold.supports(ckpt, ring_k, ring_u, ring_g, num_records)):
+        return pallas_fold.gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records)
     updates = read_updates(ring_u)
     fold = lambda h, k, u, g: _fold_state(h.astype(jnp.float32), k, u, g, num_records).astype(ckpt.dtype)
     if ckpt.ndim == 5:
