@@ -1,4 +1,4 @@
-"""`jaxspec` command line: generate, info.
+"""`jaxspec` command line: generate, estimator, info.
 
 Invalid arguments exit with status 2 and a message naming the argument (argparse's convention).
 """
@@ -49,6 +49,10 @@ def _parser():
     gen.add_argument("--num-slots", type=_positive_int("--num-slots"), default=8)
     gen.add_argument("--max-len", type=_positive_int("--max-len"), default=1024)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    from jaxspec.spec import calibration
+
+    calibration.add_arguments(sub.add_parser("estimator", help="AUC and calibration of the acceptance "
+                                             "estimator on a recorded trace"))
     info = sub.add_parser("info", help="print a checkpoint's config")
     info.add_argument("path")
     return parser
@@ -101,6 +105,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args, parser)
+    if args.command == "estimator":
+        from jaxspec.spec import calibration
+
+        return calibration.run(args, parser)
     from jaxspec.weights import load_config
 
     print(json.dumps(load_config(args.path).to_hf(), indent=2))

@@ -1,1 +1,1 @@
-"""Speculation policy: the online acceptance estimator and its calibration, the verify planner, ragged layouts."""
+"""Speculation policy: acceptance estimator and its calibration, verify planner, ragged layouts."""

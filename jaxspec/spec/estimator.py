@@ -1,0 +1,249 @@
+"""Online acceptance estimator (DESIGN.md section 6).
+
+A logistic model of "draft k is accepted given drafts < k were", calibrated while serving:
+
+    p_k = sigmoid(a * x_k + b_k),      survival s_k = prod_{j<=k} p_j,
+
+with one slope ``a`` shared by all draft positions, one intercept ``b_k`` per position, and the
+feature ``x_k = logit(q_max,k)`` of the temperature-scaled draft distribution (`features`).
+
+Everything is a pure function over a device-resident `EstimatorState` pytree, so it can run
+inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
+evaluated at the current coefficients, and every ``refit_interval`` calls it takes one damped
+Newton step under ``lax.cond`` on the device call counter. Nothing here reads a value back to
+the host. Under sharding (a batch-sharded ``x``) the statistics are sums over the batch, so
+every device ends with the same replicated state.
+
+The Newton system of the negative log-likelihood, with ridge ``r`` added to the diagonal, is an
+arrowhead: a dense slope row/column and a diagonal intercept block,
+
+    [ Sum w x^2 + r    (Sum_k w x)^T       ] [da]   [ Sum (y-p) x   ]
+    [ Sum_k w x        diag(Sum_k w + r)   ] [db] = [ Sum_k (y-p)   ],
+
+solved in O(P) by the Schur complement of the diagonal block (`arrowhead_solve`). The step is
+damped by f = n / (n + damping) (n = observations since the last refit), i.e. it solves
+``H d = f g``. A slope step that would make the slope negative is halved (at most 8 times) and
+dropped if it still does; the intercepts then take their Newton step given the slope step
+actually taken: ``db = (f g_b - h_ab da) / (h_bb + r)``, which is exactly ``f`` times the
+Newton step when the slope step was not cut. A non-finite step is dropped whole.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+FEATURE_CLAMP = 40.0     # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
+MAX_SLOPE_HALVINGS = 8
+
+__all__ = ["EstimatorState", "init", "features", "predict", "observe", "refit",
+           "arrowhead_solve", "FEATURE_CLAMP"]
+
+
+@struct.dataclass
+class EstimatorState:
+    """Device state of the estimator: coefficients, Newton statistics since the last refit, and
+    the call counter. Hyper-parameters are static (part of the tree structure)."""
+    slope: jax.Array        # []    a, float32, kept >= 0
+    intercepts: jax.Array   # [P]   b_k, float32
+    h_xx: jax.Array         # []    Sum w x^2          (w = p (1 - p))
+    h_x: jax.Array          # [P]   Sum_k w x          (per position)
+    h_1: jax.Array          # [P]   Sum_k w
+    g_x: jax.Array          # []    Sum (y - p) x
+    g_1: jax.Array          # [P]   Sum_k (y - p)
+    n: jax.Array            # []    int32 observations since the last refit
+    calls: jax.Array        # []    int32 `observe` calls so far
+    refit_interval: int = struct.field(pytree_node=False, default=100)
+    ridge: float = struct.field(pytree_node=False, default=1e-3)
+    damping: float = struct.field(pytree_node=False, default=50.0)
+
+    @property
+    def num_positions(self) -> int:
+        return self.intercepts.shape[-1]
+
+
+def _check(name, value, ok, rule):
+    if not ok:
+        raise ValueError(f"estimator {name}={value!r}: {rule}")
+
+
+def init(num_positions: int, *, slope: float = 0.5, intercept: float | Sequence[float] = -0.2,
+         refit_interval: int = 100, ridge: float = 1e-3, damping: float = 50.0) -> EstimatorState:
+    """A fresh estimator for ``num_positions`` draft positions (block size - 1).
+
+    ``intercept`` is one value for every position or a sequence of ``num_positions`` values.
+    """
+    _check("num_positions", num_positions,
+           isinstance(num_positions, int) and not isinstance(num_positions, bool)
+           and num_positions >= 1, "must be an int >= 1")
+    _check("slope", slope, isinstance(slope, (int, float)) and math.isfinite(slope) and slope >= 0,
+           "must be a finite number >= 0 (the slope is kept non-negative)")
+    _check("refit_interval", refit_interval,
+           isinstance(refit_interval, int) and not isinstance(refit_interval, bool)
+           and refit_interval >= 1, "must be an int >= 1")
+    _check("ridge", ridge, isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge > 0,
+           "must be a finite number > 0")
+    _check("damping", damping,
+           isinstance(damping, (int, float)) and math.isfinite(damping) and damping >= 0,
+           "must be a finite number >= 0")
+    if isinstance(intercept, (int, float)):
+        _check("intercept", intercept, math.isfinite(intercept), "must be finite")
+        b = jnp.full((num_positions,), intercept, jnp.float32)
+    else:
+        vals = [float(v) for v in intercept]
+        _check("intercept", intercept, len(vals) == num_positions
+               and all(math.isfinite(v) for v in vals),
+               f"must be one finite number or {num_positions} finite numbers")
+        b = jnp.asarray(vals, jnp.float32)
+    zero = jnp.zeros((), jnp.float32)
+    zeros = jnp.zeros((num_positions,), jnp.float32)
+    return EstimatorState(
+        slope=jnp.asarray(slope, jnp.float32), intercepts=b,
+        h_xx=zero, h_x=zeros, h_1=zeros, g_x=zero, g_1=zeros,
+        n=jnp.zeros((), jnp.int32), calls=jnp.zeros((), jnp.int32),
+        refit_interval=int(refit_interval), ridge=float(ridge), damping=float(damping))
+
+
+# --------------------------------------------------------------------------------- feature
+
+
+def features(draft_logits: jax.Array, temperature) -> jax.Array:
+    """x = logit(q_max) of the temperature-scaled draft distribution: [..., P, V] -> [..., P].
+
+    ``temperature`` broadcasts against ``draft_logits.shape[:-2]`` (one value per row, or a
+    scalar); rows with temperature <= 0 (greedy) use 1. Clamped to +-40.
+
+    Computed without forming q: with z = logits / T and z* = max z,
+        logit(q_max) = log q_max - log(1 - q_max) = z* - logsumexp_{i != argmax} z_i
+                     = -log( Sum_{i != argmax} exp(z_i - z*) ),
+    where the sum over the non-maximal entries is taken directly (tied maxima each add 1), so
+    there is no cancellation in 1 - q_max even when q_max rounds to 1. Non-finite logits give a
+    non-finite feature (which `observe` ignores and `predict` treats as least confident).
+    """
+    z = jnp.asarray(draft_logits).astype(jnp.float32)
+    t = jnp.asarray(temperature, jnp.float32)
+    t = jnp.where(t > 0, t, 1.0)
+    t = t.reshape(t.shape + (1, 1))
+    z = z / t
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    is_max = z == zmax
+    ties = jnp.sum(is_max, axis=-1).astype(jnp.float32)
+    # all -inf rows: z - zmax is nan, but every entry is a "maximum" and is selected away
+    rest = jnp.sum(jnp.where(is_max, 0.0, jnp.exp(z - zmax)), axis=-1) + (ties - 1.0)
+    x = -jnp.log(rest)
+    return jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP)
+
+
+# -------------------------------------------------------------------------- predict/observe
+
+
+def _clean_features(x):
+    """Clamp to +-40; NaN becomes -40 (least confident)."""
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.where(jnp.isnan(x), -FEATURE_CLAMP, jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP))
+
+
+def _check_positions(state, x):
+    if x.shape[-1] != state.num_positions:
+        raise ValueError(f"estimator features shape {tuple(x.shape)}: last axis must be the "
+                         f"{state.num_positions} draft positions of the state")
+
+
+def predict(state: EstimatorState, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-position acceptance p [..., P] and survival s [..., P] (s_k = prod_{j<=k} p_j).
+
+    The product is taken left to right, so s is exactly non-increasing along a row (a product
+    with a factor in [0, 1] never rounds up) - the planner's prefix property relies on it.
+    """
+    x = _clean_features(x)
+    _check_positions(state, x)
+    p = jax.nn.sigmoid(state.slope * x + state.intercepts)
+    s = [p[..., 0]]
+    for k in range(1, x.shape[-1]):
+        s.append(s[-1] * p[..., k])
+    return p, jnp.stack(s, axis=-1)
+
+
+def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
+            accepted: jax.Array) -> EstimatorState:
+    """Add one step's labels to the Newton statistics; refit every ``refit_interval`` calls.
+
+    x [B, P] features of the drafts, verified [B] drafts verified, accepted [B] drafts accepted.
+    Positions < accepted are labelled 1; position == accepted is labelled 0 if it was verified
+    (accepted < verified); later positions are not observed. Positions whose feature is not
+    finite contribute nothing (selected away). Rows with verified = 0 (padding) observe nothing.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim != 2:
+        raise ValueError(f"estimator observe: x must be [batch, positions], got {x.shape}")
+    _check_positions(state, x)
+    B, P = x.shape
+    verified, accepted = jnp.asarray(verified), jnp.asarray(accepted)
+    if verified.shape != (B,) or accepted.shape != (B,):
+        raise ValueError(f"estimator observe: verified {verified.shape} and accepted "
+                         f"{accepted.shape} must both be [{B}] (one per row of x)")
+    k = jnp.arange(P, dtype=jnp.int32)[None, :]
+    ver = verified.astype(jnp.int32)[:, None]
+    acc = accepted.astype(jnp.int32)[:, None]
+    pos = k < jnp.minimum(acc, ver)                       # label 1
+    neg = (k == acc) & (acc < ver)                       # label 0: the first rejection
+    finite = jnp.isfinite(x)
+    obs = (pos | neg) & finite
+    xs = jnp.where(finite, jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP), 0.0)
+    z = state.slope * xs + state.intercepts
+    p, q = jax.nn.sigmoid(z), jax.nn.sigmoid(-z)          # p and 1 - p without cancellation
+    w = jnp.where(obs, p * q, 0.0)
+    r = jnp.where(obs, jnp.where(pos, q, -p), 0.0)        # y - p
+    state = state.replace(
+        h_xx=state.h_xx + jnp.sum(w * xs * xs),
+        h_x=state.h_x + jnp.sum(w * xs, axis=0),
+        h_1=state.h_1 + jnp.sum(w, axis=0),
+        g_x=state.g_x + jnp.sum(r * xs),
+        g_1=state.g_1 + jnp.sum(r, axis=0),
+        n=state.n + jnp.sum(obs, dtype=jnp.int32),
+        calls=state.calls + 1)
+    return jax.lax.cond(state.calls % state.refit_interval == 0, refit, lambda s: s, state)
+
+
+# ------------------------------------------------------------------------------------ refit
+
+
+def arrowhead_solve(h_aa, h_ab, h_bb, g_a, g_b, ridge):
+    """Solve [[h_aa + r, h_ab^T], [h_ab, diag(h_bb + r)]] [da; db] = [g_a; g_b] by the Schur
+    complement of the diagonal block. -> (da [], db [P]).
+
+    For a PSD Hessian the exact Schur complement is >= r (Cauchy-Schwarz); it is clamped there so
+    float32 cancellation on a near-singular system cannot flip its sign.
+    """
+    d = h_bb + ridge
+    schur = jnp.maximum(h_aa + ridge - jnp.sum(h_ab * h_ab / d), ridge)
+    da = (g_a - jnp.sum(h_ab * g_b / d)) / schur
+    db = (g_b - h_ab * da) / d
+    return da, db
+
+
+def refit(state: EstimatorState) -> EstimatorState:
+    """One damped Newton step from the accumulated statistics, then clear them (keeps `calls`)."""
+    ridge = jnp.float32(state.ridge)
+    n = state.n.astype(jnp.float32)
+    f = n / (n + jnp.float32(state.damping))
+    da, db = arrowhead_solve(state.h_xx, state.h_x, state.h_1, state.g_x, state.g_1, ridge)
+    ok = jnp.isfinite(f) & jnp.isfinite(da) & jnp.all(jnp.isfinite(db))
+    a = state.slope
+    da = f * da
+    for _ in range(MAX_SLOPE_HALVINGS):
+        da = jnp.where(a + da < 0, da * 0.5, da)
+    da = jnp.where(a + da < 0, 0.0, da)
+    db = (f * state.g_1 - state.h_x * da) / (state.h_1 + ridge)   # given the slope step taken
+    ok = ok & jnp.isfinite(da) & jnp.all(jnp.isfinite(db))
+    new_a = jnp.where(ok, a + da, a)
+    new_b = jnp.where(ok, state.intercepts + db, state.intercepts)
+    ok = jnp.isfinite(new_a) & jnp.all(jnp.isfinite(new_b))
+    zero = jnp.zeros_like
+    return state.replace(
+        slope=jnp.where(ok, new_a, a), intercepts=jnp.where(ok, new_b, state.intercepts),
+        h_xx=zero(state.h_xx), h_x=zero(state.h_x), h_1=zero(state.h_1),
+        g_x=zero(state.g_x), g_1=zero(state.g_1), n=zero(state.n))
