@@ -477,7 +477,12 @@ class SpecConfig:
         draft's block size.
     ring_len, fold_policy, state_dtype, ring_dtype: the GDN state (see CacheConfig).
     max_top_k: the static top-k bound of the target distribution for sampled requests.
-    lag: steps between a device value and the host decision that uses it.
+    lag: steps between the survivals the host plans a budget with and the step it plans (>= 1:
+        the host never waits for the step in flight).
+    num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
+    refit_interval: estimator observe calls (steps) between refits.
+    warmup_refits: the first warmup_refits * refit_interval steps verify full blocks, so the
+        estimator does not learn only from its own trimmed windows.
     """
 
     verify_mode: str = "static"
@@ -490,6 +495,9 @@ class SpecConfig:
     ring_dtype: str = "float32"
     max_top_k: int = 64
     lag: int = 2
+    num_tiers: int = 4
+    refit_interval: int = 100
+    warmup_refits: int = 1
 
     def __post_init__(self):
         def bad(field, rule):
@@ -502,8 +510,11 @@ class SpecConfig:
                 raise bad(field, "must be a positive int")
         if self.block_size is not None and (not _is_int(self.block_size) or not 2 <= self.block_size <= 64):
             raise bad("block_size", "must be None or an int in 2..64")
-        if not _is_int(self.lag) or self.lag < 0:
-            raise bad("lag", "must be an int >= 0")
+        for field in ("lag", "num_tiers", "refit_interval"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "must be an int >= 1")
+        if not _is_int(self.warmup_refits) or self.warmup_refits < 0:
+            raise bad("warmup_refits", "must be an int >= 0")
 
     def cache_config(self, window: int, dtype: str) -> CacheConfig:
         """The device-state shapes for verify windows of `window` tokens (validated there)."""

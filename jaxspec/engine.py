@@ -24,16 +24,21 @@ from jaxspec.dflash import Draft
 from jaxspec.ops import packing, sampling
 from jaxspec.ops.sampling import SamplingParams
 from jaxspec.proposer import DFlashProposer
+from jaxspec.spec import estimator, layout, planner
+from jaxspec.spec.calibration import TraceRecorder
+from jaxspec.spec.planner import CostTable
 from jaxspec.target import Target
 
 
 @struct.dataclass
 class EngineState:
-    """Device state: the target cache, the proposer's state, and per slot [S1] the anchor (the
-    token emitted last, not yet in the target state), a raw PRNG key [S1, 2] and sampling params."""
+    """Device state: the target cache, the proposer's state, the acceptance estimator, and per
+    slot [S1] the anchor (the token emitted last, not yet in the target state), a raw PRNG key
+    [S1, 2] and sampling params."""
 
     cache: CacheState
     proposer: object
+    estimator: estimator.EstimatorState | None
     anchor: jnp.ndarray
     keys: jnp.ndarray
     sampling: SamplingParams
@@ -42,8 +47,8 @@ class EngineState:
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: generated ids (prompt excluded); text: their decoding when a tokenizer is known;
-    stats: steps, accepted (drafts accepted per step), accept_length (mean tokens committed per
-    verify step), tokens_per_s; error: why the request was refused (then tokens is empty)."""
+    stats: steps, accepted and verified (drafts per step), accept_length (mean tokens committed
+    per verify step), tokens_per_s; error: why the request was refused (then tokens is empty)."""
 
     tokens: list
     stats: dict
@@ -59,49 +64,89 @@ class _Request:
     slot: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     accepted: list = dataclasses.field(default_factory=list)
+    verified: list = dataclasses.field(default_factory=list)
     start: float = 0.0
     done: bool = False
 
 
-def _step(state: EngineState, target: Target, proposer, slots, *, window, greedy, max_top_k, impl):
-    """One decoding step for the rows `slots` [S] (0 = inactive row) -> (state, emitted [S, T], a [S])."""
+def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, mode, greedy, max_top_k, impl):
+    """One decoding step for the rows `slots` [S] (0 = inactive row).
+
+    mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
+    lengths from the estimator's current survivals with a budget of `tier` - active rows tokens
+    (`tier` is static: the host chose it from survivals `lag` steps old). cap-accept verifies the
+    whole block and caps acceptance at the planned length; compact packs only the planned windows
+    into `tier` rows. Returns (state, emitted [S, T], accepted [S], verified [S], features [S, T-1],
+    survival [S, T-1]).
+    """
     cache = state.cache
     s, t = slots.shape[0], window
+    active = slots > 0
     anchors, ctx_len = state.anchor[slots], cache.seq_len[slots]
     keys = jax.vmap(lambda k: jax.random.split(k, 3))(state.keys[slots])
     key_draft, key_accept, key_next = keys[:, 0], keys[:, 1], keys[:, 2]
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
-    if t > 1:
-        draft_logits = proposer.propose(state.proposer, anchors, slots, ctx_len)[:, :t - 1]
-        if greedy:
-            drafts, q = sampling.greedy_tokens(draft_logits), None
-        else:
-            q = sampling.draft_distribution(draft_logits, params.temperature)
-            drafts = sampling.sample_draft(key_draft, q)
-        window_tokens = jnp.concatenate([anchors[:, None], drafts], axis=1)
+
+    # draft (features score the distribution, never the drawn token: non-anticipation)
+    draft_logits = proposer.propose(state.proposer, anchors, slots, ctx_len)[:, :t - 1]
+    if greedy:
+        drafts, q = sampling.greedy_tokens(draft_logits), None
     else:
-        drafts, q, window_tokens = jnp.zeros((s, 0), jnp.int32), None, anchors[:, None]
-    tokens = window_tokens.reshape(-1)
-    query_start_loc = jnp.arange(s + 1, dtype=jnp.int32) * t
-    taps = proposer.taps if proposer is not None else ()
-    logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, slots, taps, impl=impl)
-    logits = logits.reshape(s, t, -1)
+        q = sampling.draft_distribution(draft_logits, params.temperature)
+        drafts = sampling.sample_draft(key_draft, q)
+    features = estimator.features(draft_logits, params.temperature)
+    _, survival = estimator.predict(state.estimator, features)
+
+    # plan: drafts to verify per request, and the packed layout of the verify
+    if mode == "static":
+        lengths = jnp.full((s,), t - 1, jnp.int32)
+    else:
+        budget = tier - jnp.sum(active, dtype=jnp.int32)
+        lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
+    lengths = jnp.where(active, lengths, 0)
+    layout_tier = tier if mode == "compact" else s * t
+    tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
+
+    taps = proposer.taps
+    logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots, taps, impl=impl)
+    logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
     if greedy:
         ids = sampling.greedy_tokens(logits)[..., None]
         probs = jnp.ones(ids.shape, jnp.float32)
     else:
         probs, ids = sampling.target_distribution(logits, params, max_top_k)
-    num_verify = jnp.full((s,), t - 1, jnp.int32)
-    accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, num_verify, params.temperature)
+    accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
     cache = target_mod.commit(cache, slots, accepted, impl=impl)
-    proposer_state = state.proposer
-    if proposer is not None:
-        pos = jnp.arange(t)[None, :]
-        proposer_state = proposer.observe(proposer_state, tokens, hidden, (ctx_len[:, None] + pos).reshape(-1),
-                                          jnp.repeat(slots, t), (pos <= accepted[:, None]).reshape(-1))
+
+    request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
+    proposer_state = proposer.observe(state.proposer, tokens, hidden, ctx_len[request] + pos, slots[request],
+                                      valid & (pos <= accepted[request]))
     state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
-                          keys=state.keys.at[slots].set(key_next))
-    return state, emitted, accepted
+                          keys=state.keys.at[slots].set(key_next),
+                          estimator=estimator.observe(state.estimator, features, lengths, accepted))
+    return state, emitted, accepted, lengths, features, survival
+
+
+def _decode(state: EngineState, target: Target, proposer, slots, *, tier, greedy, max_top_k, impl):
+    """Mode "none": one target token per request and step (window = the anchor alone; `tier` is
+    always the batch)."""
+    cache = state.cache
+    s = slots.shape[0]
+    keys = jax.vmap(lambda k: jax.random.split(k, 2))(state.keys[slots])
+    params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
+    logits, _, cache = target_mod.verify(target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32),
+                                         slots, (), impl=impl)
+    if greedy:
+        ids = sampling.greedy_tokens(logits)[:, None, None]
+        probs = jnp.ones(ids.shape, jnp.float32)
+    else:
+        probs, ids = sampling.target_distribution(logits[:, None], params, max_top_k)
+    none = jnp.zeros((s,), jnp.int32)
+    accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None, none,
+                                               params.temperature)
+    cache = target_mod.commit(cache, slots, accepted, impl=impl)
+    state = state.replace(cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1]))
+    return state, emitted, accepted, none, None, None
 
 
 def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
@@ -137,37 +182,63 @@ class Engine:
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig = SpecConfig(), *,
-                 proposer=None, tokenizer=None, impl="auto"):
-        if spec.verify_mode in ("cap-accept", "compact"):
-            raise NotImplementedError(f"SpecConfig.verify_mode={spec.verify_mode!r}: confidence-scheduled "
-                                      "verification is not implemented yet; use 'none' or 'static'")
+                 proposer=None, tokenizer=None, cost_table: CostTable | str | None = None, record_trace=False,
+                 impl="auto"):
         if proposer is None and draft is not None:
             proposer = DFlashProposer(draft, target, impl=impl)
-        if spec.verify_mode == "none":
+        mode = spec.verify_mode
+        if mode == "none":
             proposer, window = None, 1
         else:
             if proposer is None:
-                raise ValueError(f"draft: verify_mode={spec.verify_mode!r} needs a draft (or a proposer)")
+                raise ValueError(f"draft: verify_mode={mode!r} needs a draft (or a proposer)")
             window = spec.block_size or proposer.block_size
             if window > proposer.block_size:
                 raise ValueError(f"SpecConfig.block_size={window}: the draft proposes blocks of "
                                  f"{proposer.block_size}")
         self.target, self.proposer, self.spec, self.window = target, proposer, spec, window
         self.tokenizer = tokenizer
+        self.cost_table = CostTable.load(cost_table) if isinstance(cost_table, str) else cost_table
+        self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
+        self.recorder = TraceRecorder() if record_trace and mode != "none" else None
+        self.tier_counts = collections.Counter()
+        self._steps_run = 0
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
-        self._step = jax.jit(partial(_step, window=window, max_top_k=spec.max_top_k, impl=impl),
-                             static_argnames=("greedy",), donate_argnums=(0,))
+        if mode == "none":
+            step = partial(_decode, max_top_k=spec.max_top_k, impl=impl)
+        else:
+            step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl)
+        self._step = jax.jit(step, static_argnames=("greedy", "tier"), donate_argnums=(0,))
         self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
         self.state = self._init_state()
 
     def _init_state(self) -> EngineState:
         s1 = self.spec.num_slots + 1
+        speculative = self.proposer is not None
         return EngineState(
             cache=cache_mod.init_cache(self.target.config, self.cache_config),
-            proposer=(self.proposer.init_state(self.spec.num_slots, self.spec.max_len)
-                      if self.proposer is not None else None),
+            proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
+            estimator=estimator.init(self.window - 1, refit_interval=self.spec.refit_interval) if speculative else None,
             anchor=jnp.zeros((s1,), jnp.int32), keys=jnp.zeros((s1, 2), jnp.uint32),
             sampling=SamplingParams.create(s1))
+
+    def _choose_tier(self, rows, old) -> int:
+        """The verify tier of the next step. rows: the request of each slot (None = idle); old:
+        (rows, survival [S, T-1]) of the step `lag` steps back, or None. The full block in static
+        mode, during warm-up and without profiled costs."""
+        full = self.tier_tokens[-1]
+        warmup = self.spec.warmup_refits * self.spec.refit_interval
+        if (self.spec.verify_mode in ("none", "static") or self._steps_run < warmup or old is None
+                or self.cost_table is None or self.cost_table.is_trivial):
+            return full
+        old_rows, old_survival = old
+        old_survival = np.asarray(old_survival)
+        survival = [old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
+                    for i, req in enumerate(rows) if req is not None]     # a newcomer: assume acceptance
+        n = len(survival)
+        admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
+        budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
+        return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
 
     # ------------------------------------------------------------------------------ host side
 
@@ -248,7 +319,7 @@ class Engine:
             del active[req.slot]
             elapsed = max(time.perf_counter() - req.start, 1e-9)
             steps = len(req.accepted)
-            stats = {"steps": steps, "accepted": req.accepted,
+            stats = {"steps": steps, "accepted": req.accepted, "verified": req.verified,
                      "accept_length": (sum(a + 1 for a in req.accepted) / steps) if steps else 0.0,
                      "tokens_per_s": len(req.tokens) / elapsed}
             text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
@@ -263,24 +334,32 @@ class Engine:
         # One step in flight: step k + 1 is dispatched before the host reads step k's tokens, so
         # the host never waits for the device between steps. A request that finished at step k
         # runs one more (discarded) row in step k + 1; its slot is reused after that.
-        in_flight = None
+        in_flight, history = None, collections.deque(maxlen=self.spec.lag)
         while queue or active or in_flight:
             if queue and free:
                 self._admit([queue.popleft() for _ in range(min(len(queue), len(free)))], free, active, params, emit)
             dispatched = None
             if active:
                 rows = [active.get(s) for s in range(1, self.spec.num_slots + 1)]
+                old = history[0] if len(history) == self.spec.lag else None
+                tier = self._choose_tier(rows, old)
                 slots = jnp.asarray([0 if r is None else r.slot for r in rows], jnp.int32)
-                self.state, emitted, accepted = self._step(self.state, self.target, self.proposer, slots,
-                                                           greedy=greedy)
-                dispatched = (rows, emitted, accepted)
+                self.state, emitted, accepted, verified, features, survival = self._step(
+                    self.state, self.target, self.proposer, slots, greedy=greedy, tier=tier)
+                self._steps_run += 1
+                self.tier_counts[tier] += 1
+                history.append((rows, survival))
+                if self.recorder is not None:
+                    self.recorder.add(features, verified, accepted, temperature)
+                dispatched = (rows, emitted, accepted, verified)
             if in_flight is not None:
-                rows, emitted, accepted = in_flight
-                emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+                rows, emitted, accepted, verified = in_flight
+                emitted, accepted, verified = np.asarray(emitted), np.asarray(accepted), np.asarray(verified)
                 for row, req in enumerate(rows):
                     if req is None or req.done:
                         continue
                     req.accepted.append(int(accepted[row]))
+                    req.verified.append(int(verified[row]))
                     for tok in emitted[row, :accepted[row] + 1]:
                         if not req.done:
                             emit(req, tok)

@@ -43,7 +43,10 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, i
     Request r continues from conv_state[slots[r]]; conv_window'[slots[r], s] = x of its window
     token s (s < len_r), every other entry unchanged. Padding rows and slot-0 requests output 0.
     """
-    use_kernel("conv_verify", impl, None)
+    from jaxspec.pallas import conv as pallas_conv
+    if use_kernel("conv_verify", impl, lambda: pallas_conv.supports_conv_verify(
+            x, conv_state, conv_window, weight, query_start_loc, slots)):
+        return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots)
     t_max = conv_window.shape[1]
     xp, valid = packing.to_padded(x, query_start_loc, t_max)                 # [B, T, C]
     valid = valid & (slots > 0)[:, None]

@@ -98,11 +98,12 @@ def init(num_positions: int, *, slope: float = 0.5, intercept: float | Sequence[
                and all(math.isfinite(v) for v in vals),
                f"must be one finite number or {num_positions} finite numbers")
         b = jnp.asarray(vals, jnp.float32)
-    zero = jnp.zeros((), jnp.float32)
-    zeros = jnp.zeros((num_positions,), jnp.float32)
+    # distinct buffers per field, so the state can be donated to a jitted step
+    zero = lambda: jnp.zeros((), jnp.float32)
+    zeros = lambda: jnp.zeros((num_positions,), jnp.float32)
     return EstimatorState(
         slope=jnp.asarray(slope, jnp.float32), intercepts=b,
-        h_xx=zero, h_x=zeros, h_1=zeros, g_x=zero, g_1=zeros,
+        h_xx=zero(), h_x=zeros(), h_1=zeros(), g_x=zero(), g_1=zeros(),
         n=jnp.zeros((), jnp.int32), calls=jnp.zeros((), jnp.int32),
         refit_interval=int(refit_interval), ridge=float(ridge), damping=float(damping))
 

@@ -1,0 +1,328 @@
+"""Pallas (Triton lowering) kernels for the causal depthwise conv + SiLU of the GDN qkv channels.
+
+Currently: the packed verify (`conv_verify`), contract = `jaxspec.ops.conv.conv_verify`.
+
+Packed verify design
+--------------------
+Grid (cdiv(B, rpp), cdiv(C, block_c)): one program per (rpp requests, channel block); rpp
+(requests_per_program) is 1 by default. For each request a program reads, once each, the W-1
+conv-state rows of its slot and the request's window rows x_0..x_{T-1} (the "deduplicated
+window" [state; x_0..x_{T-1}]: one row per request, not T windows of W), all as [block_c] vectors
+(8- or 16-byte accesses per thread, coalesced along channels), and computes the T outputs from
+registers with a sliding window of the last W-1 rows. The window loop is unrolled over T_max (a
+static shape) and every load of a request is issued before its first store, so that all T row
+loads are in flight together: this op is memory-bound (about 1.5 flop per byte), and a
+dynamic-trip-count loop would serialise one DRAM latency per token (a load placed after a store
+that depends on an earlier load cannot issue until that load returns). Rows t >= len_r are
+masked (never touched). Each program writes
+  y[start + t]                  = silu(sum_w weight[:, w] * row[t + w])      (t < len_r)
+  conv_window[slot, t]          = x_t                                        (t < len_r, slot > 0)
+conv_window is aliased input -> output (input_output_aliases) so every other entry keeps its
+bits without a copy (the caller should donate it; otherwise XLA inserts one copy of it).
+With rpp > 1 a program handles consecutive requests straight-line and software-pipelined: request
+k+1's rows are loaded while request k is computed and stored, and the scalar (start, length,
+slot) loads, on which every row address depends, are paid once per program, not per request.
+
+Null slot: a request on slot 0 loads nothing (its loads are masked to 0), so its outputs are
+silu(0) = 0 exactly, and it stores no window row. A request of length 0 exits at once (rpp = 1) or
+masks every access (rpp > 1).
+
+Padding rows (query_start_loc[B] <= row < N) must be 0 and y is a fresh buffer. Zero-filling y in
+the wrapper would write all of y twice (one extra full pass, ~+30% bytes at T=8) and an extra
+grid row of "tail" programs would run mostly empty. Instead the padding rows are split evenly
+over the P = cdiv(B, rpp) programs of each channel block: program p stores zeros on rows
+[pad0 + p*k, pad0 + (p+1)*k) with k = cdiv(N - pad0, P). Only the padding bytes themselves move,
+no extra launch or program exists, and the stores are fire-and-forget (no load feeds them).
+
+Numerics: loads in the input dtype (bf16 or f32), products and sums in float32 in the reference's
+order (tap 0 first), SiLU in float32, one rounding to x.dtype at the store. The state is rounded
+to x.dtype first, as the reference does. The saved window row is the raw input (bit-exact).
+
+Performance (H200, C = 10240 bf16, T = 8, batch 128; bench/conv_kernel.py): 70.9 MB must move,
+16.7 us at the 4.25 TB/s of a device copy. Kernel alone (Nsight Compute, cold L2) 20.8 us; in a
+chain of calls about 27 us, because each call's ~42 MB of stores end the kernel as dirty L2 lines
+whose write-back overlaps the next call (ncu counts ~15 MB of DRAM writes inside the kernel).
+The XLA reference takes ~120 us. At batch <= 8 the kernel is latency-bound (~4-5 us: the
+scalar -> row dependent loads, then the stores).
+
+Triton-lowering notes: the lowering does not mask blocks that overhang an array, so every access
+here is an explicit masked load/store over a power-of-two slice (channel tail: cols < C;
+rows: t < len_r; weight taps: w < W). Refs are whole arrays (no BlockSpec); offsets are computed
+in the kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
+_MINUS_LOG2E = -1.4426950408889634
+MAX_WIDTH = 8       # largest conv width (taps); the models use 4
+_TARGET_PROGRAMS = 4 * 132   # about four programs per H200 SM before the channel block grows
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvVerifyConfig:
+    """Tile sizes of the packed conv verify kernel.
+
+    block_c: channels per program (power of two, 16..4096); None picks the largest of
+      512/256/128/64 that still gives >= 4 programs per H200 SM (528), else 64, clipped to the
+      channel count. Per-program cost is mostly fixed (the scalar -> row dependent load latency,
+      then the row latency), so enough small programs must be resident to cover DRAM latency.
+    num_warps: warps per program (1, 2, 4, 8 or 16); None gives one 8-byte access per thread per
+      row (block_c * itemsize / 256, clipped to 1..8): with 16-byte accesses the registers per
+      thread double (128 vs 76 at 1024 channels) and fewer programs stay resident.
+      Measured on an H200 (Nsight Compute, C = 10240 bf16, T = 8; bench/conv_kernel.py): batch
+      128: 512/4 warps 20.8 us (uniform) / 17.3 us (mixed), 1024/4 25.1 / 22.7, 2048/8 26.8 / 24.0;
+      batch 32: 512/4 7.5 / 7.3; batch 8: 128/1 5.0, 64/1 4.6; batch 1: 64/1 4.1 us.
+    requests_per_program: requests one program handles one after the other, software-pipelined
+      (the rows of request k+1 are loaded while request k is computed and stored), 1..16. 1 is
+      the plain one-request grid. Used only when the window fits one row group (T <= row_group);
+      otherwise 1. None: 1 (2 and 4 measured no faster than 1 at batch 128, T = 8: the two live
+      requests cost registers, 102-136 per thread, and so resident programs).
+    pad_rows: padding rows zeroed per store (power of two, 1..64).
+    row_group: window rows whose loads are issued together (1..64); the loads of group g+1 are
+      issued before the stores of group g (two groups of rows live). T <= row_group: all rows of
+      a request in flight at once.
+    """
+    block_c: int | None = None
+    num_warps: int | None = None
+    requests_per_program: int | None = None
+    pad_rows: int = 8
+    row_group: int = 8
+
+    def __post_init__(self):
+        if self.block_c is not None and not (_is_pow2(self.block_c) and 16 <= self.block_c <= 4096):
+            raise ValueError(f"ConvVerifyConfig.block_c={self.block_c!r}: must be a power of two in [16, 4096]")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ConvVerifyConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
+        if self.requests_per_program is not None and not (
+                isinstance(self.requests_per_program, int) and 1 <= self.requests_per_program <= 16):
+            raise ValueError(f"ConvVerifyConfig.requests_per_program={self.requests_per_program!r}: "
+                             "must be an integer in [1, 16]")
+        if not (_is_pow2(self.pad_rows) and self.pad_rows <= 64):
+            raise ValueError(f"ConvVerifyConfig.pad_rows={self.pad_rows!r}: must be a power of two in [1, 64]")
+        if not (isinstance(self.row_group, int) and 1 <= self.row_group <= 64):
+            raise ValueError(f"ConvVerifyConfig.row_group={self.row_group!r}: must be an integer in [1, 64]")
+
+    def resolve(self, num_requests: int, channels: int, itemsize: int, t_max: int = 1) -> tuple[int, int, int]:
+        """(block_c, num_warps, requests_per_program) for a call."""
+        block_c = self.block_c
+        if block_c is None:
+            block_c = 64
+            for cand in (512, 256, 128):
+                if num_requests * pl.cdiv(channels, cand) >= _TARGET_PROGRAMS:
+                    block_c = cand
+                    break
+        block_c = min(block_c, max(16, _next_pow2(channels)))
+        num_warps = self.num_warps
+        if num_warps is None:
+            num_warps = min(8, max(1, block_c * itemsize // 256))
+        rpp = self.requests_per_program or 1
+        if t_max > self.row_group:
+            rpp = 1
+        return block_c, num_warps, min(rpp, num_requests)
+
+
+def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots) -> bool:
+    """Shapes and dtypes the packed verify kernel covers (see jaxspec.ops.conv.conv_verify)."""
+    try:
+        if x.ndim != 2 or conv_state.ndim != 3 or conv_window.ndim != 3 or weight.ndim != 2:
+            return False
+        n, c = x.shape
+        width = weight.shape[1]
+        b = slots.shape[0] if slots.ndim == 1 else -1
+        return (
+            n >= 1 and c >= 1 and b >= 1
+            and 2 <= width <= MAX_WIDTH
+            and weight.shape[0] == c
+            and conv_state.shape[1:] == (width - 1, c)
+            and conv_window.shape[0] == conv_state.shape[0] and conv_window.shape[2] == c
+            and 1 <= conv_window.shape[1] <= MAX_T
+            and query_start_loc.shape == (b + 1,)
+            and jnp.dtype(x.dtype) in _DTYPES
+            and jnp.dtype(conv_state.dtype) in _DTYPES
+            and jnp.dtype(conv_window.dtype) in _DTYPES
+            and jnp.issubdtype(weight.dtype, jnp.floating)
+            and jnp.issubdtype(query_start_loc.dtype, jnp.integer)
+            and jnp.issubdtype(slots.dtype, jnp.integer)
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
+def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window_in_ref, *refs,
+                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp):
+    y_ref, window_ref = refs[-2:]   # refs[:-2]: an optional y buffer aliased to y_ref (tests)
+    del window_in_ref               # aliased to window_ref
+    f32 = jnp.float32
+    p = pl.program_id(0)
+    num_programs = pl.cdiv(num_requests, rpp)
+    c0 = pl.program_id(1) * block_c
+    n_rows, channels = x_ref.shape
+    cols = c0 + jnp.arange(block_c)
+    cmask = cols < channels
+    cs = pl.ds(c0, block_c)
+
+    # --- this program's share of the padding rows (zeros), before any early exit.
+    pad0 = jnp.minimum(qsl_ref[num_requests], n_rows)
+    share = pl.cdiv(n_rows - pad0, num_programs)
+    lo = pad0 + p * share
+    hi = jnp.minimum(lo + share, n_rows)
+    zeros = jnp.zeros((pad_rows, block_c), y_ref.dtype)
+
+    def zero_rows(k, carry):
+        row0 = lo + k * pad_rows
+        rmask = (row0 + jnp.arange(pad_rows)) < hi
+        plgpu.store(y_ref.at[pl.ds(row0, pad_rows), cs], zeros, mask=rmask[:, None] & cmask[None, :])
+        return carry
+
+    lax.fori_loop(0, pl.cdiv(hi - lo, pad_rows), zero_rows, 0)   # hi < lo: no iteration
+
+    # Program order = issue order: every load of a group is issued before the first store,
+    # because a load placed after a store that depends on an earlier load cannot issue before
+    # that earlier load returns (in-order issue): T DRAM latencies instead of one.
+
+    def request(r):
+        """(start, length, slot) of request r; length 0 past the last request."""
+        if rpp == 1:
+            return qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r], slots_ref[r]
+        rc = jnp.minimum(r, num_requests - 1)
+        start = qsl_ref[rc]
+        return start, jnp.where(r < num_requests, qsl_ref[rc + 1] - start, 0), slots_ref[rc]
+
+    def load_state(length, slot):
+        # The W-1 raw inputs before x_0 (slot 0 or an empty request: nothing is read).
+        live = cmask & (slot > 0) & (length > 0)
+        return [plgpu.load(state_ref.at[slot, jnp.int32(j), cs], mask=live, other=0) for j in range(width - 1)]
+
+    def load_rows(start, length, slot, group):
+        live = cmask & (slot > 0)
+        return [plgpu.load(x_ref.at[start + t, cs], mask=live & (t < length), other=0) for t in group]
+
+    def load_taps():
+        return [plgpu.load(weight_ref.at[cs, jnp.int32(i)], mask=cmask, other=0).astype(f32)
+                for i in range(width)]
+
+    def compute_rows(start, length, slot, taps, group, xs, hist):
+        """Outputs and saved rows of window positions `group`; hist: the W-1 previous rows (f32)."""
+        live = cmask & (slot > 0)
+        for t, xt in zip(group, xs):
+            valid = t < length
+            xf = xt.astype(f32)
+            acc = hist[0] * taps[0]        # same summation order as the reference
+            for i in range(1, width - 1):
+                acc = acc + hist[i] * taps[i]
+            acc = acc + xf * taps[width - 1]
+            # silu(a) = a / (1 + 2^(-a log2 e)): ex2.approx + div.full, ~5 instructions an
+            # element instead of ~12 for the libdevice expf (the kernel must stay memory-bound).
+            y = acc / (1.0 + jnp.exp2(acc * _MINUS_LOG2E))
+            plgpu.store(y_ref.at[start + t, cs], y.astype(y_ref.dtype), mask=cmask & valid)
+            plgpu.store(window_ref.at[slot, jnp.int32(t), cs], xt.astype(window_ref.dtype), mask=live & valid)
+            hist = hist[1:] + [xf]
+        return hist
+
+    def to_hist(state_rows):               # rounded to x.dtype first, as the reference does
+        return [h.astype(x_ref.dtype).astype(f32) for h in state_rows]
+
+    if rpp == 1:
+        # --- one request per program; windows longer than row_group go in prefetched groups.
+        start, length, slot = request(p)
+
+        @pl.when(length > 0)
+        def _():
+            hist = to_hist(load_state(length, slot))
+            groups = [range(g0, min(g0 + row_group, t_max)) for g0 in range(0, t_max, row_group)]
+            pending = load_rows(start, length, slot, groups[0])
+            taps = load_taps()             # after the first row loads, so their latencies overlap
+            for gi, group in enumerate(groups):
+                xs = pending
+                if gi + 1 < len(groups):   # prefetch: the next group's loads go out before these stores
+                    pending = load_rows(start, length, slot, groups[gi + 1])
+                if gi == 0:
+                    hist = compute_rows(start, length, slot, taps, group, xs, hist)
+                else:                      # groups past the request's length do no arithmetic
+                    hist = lax.cond(group[0] < length,
+                                    functools.partial(compute_rows, start, length, slot, taps, group),
+                                    lambda xs, hist: hist, xs, hist)
+    else:
+        # --- rpp consecutive requests per program, straight-line and software-pipelined: all their
+        # (start, length, slot) scalars load at once; request k+1's state and rows are issued
+        # before request k is computed and stored, so one program keeps DRAM busy through its
+        # compute and store phases (and pays the scalar -> row dependent latency once).
+        window_rows = range(t_max)
+        reqs = [request(p * rpp + k) for k in range(rpp)]
+
+        def load_request(k):
+            start, length, slot = reqs[k]
+            return load_state(length, slot), load_rows(start, length, slot, window_rows)
+
+        pending = load_request(0)
+        taps = load_taps()
+        for k in range(rpp):
+            state_rows, xs = pending
+            if k + 1 < rpp:
+                pending = load_request(k + 1)
+            start, length, slot = reqs[k]
+            compute_rows(start, length, slot, taps, window_rows, xs, to_hist(state_rows))
+
+
+def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
+                config: ConvVerifyConfig | None = None, interpret: bool | None = None,
+                y_buffer=None):
+    """Packed causal conv verify; same contract as jaxspec.ops.conv.conv_verify.
+
+    x [N, C], conv_state [S1, W-1, C], conv_window [S1, T, C] (aliased to the second output: donate
+    it), weight [C, W], query_start_loc [B+1], slots [B] -> (y [N, C], conv_window').
+    Each request's length must be <= T = conv_window.shape[1].
+    y_buffer: optional [N, C] array of x.dtype aliased to y; every element is overwritten (tests
+    pass a NaN-filled one to prove it).
+    """
+    if not supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots):
+        raise ValueError("conv_verify kernel: unsupported shapes/dtypes "
+                         f"x {x.shape} {x.dtype}, conv_state {conv_state.shape} {conv_state.dtype}, "
+                         f"conv_window {conv_window.shape} {conv_window.dtype}, weight {weight.shape}, "
+                         f"query_start_loc {query_start_loc.shape}, slots {slots.shape}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    config = config or ConvVerifyConfig()
+    n, c = x.shape
+    b = slots.shape[0]
+    width = weight.shape[1]
+    t_max = conv_window.shape[1]
+    block_c, num_warps, rpp = config.resolve(b, c, jnp.dtype(x.dtype).itemsize, t_max)
+    extra, aliases = (), {5: 1}
+    if y_buffer is not None:
+        if y_buffer.shape != (n, c) or y_buffer.dtype != x.dtype:
+            raise ValueError(f"y_buffer: expected {(n, c)} {x.dtype}, got {y_buffer.shape} {y_buffer.dtype}")
+        extra, aliases = (y_buffer,), {5: 1, 6: 0}
+
+    kernel = functools.partial(_conv_verify_kernel, num_requests=b, t_max=t_max, width=width,
+                               block_c=block_c, pad_rows=config.pad_rows,
+                               row_group=config.row_group, rpp=rpp)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype),
+                   jax.ShapeDtypeStruct(conv_window.shape, conv_window.dtype)),
+        grid=(pl.cdiv(b, rpp), pl.cdiv(c, block_c)),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="conv_verify",
+    )(query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), x, conv_state, weight,
+      conv_window, *extra)
