@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxspec.ops.gdn import gdn_fold      # noqa: E402

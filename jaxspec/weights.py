@@ -194,7 +194,7 @@ def _split_qwen3_next(qkvz: np.ndarray, ba: np.ndarray, c: TargetConfig) -> dict
 
 def _fuse_qwen3_next(gdn: dict, c: TargetConfig) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of `_split_qwen3_next`: HF-oriented qkv, z, b, a -> (in_proj_qkvz, in_proj_ba)."""
-    h, k, r = c.linear_num_key_heads, c.linear_key_head_dim, c.value_heads_per_key
+    h, k = c.linear_num_key_heads, c.linear_key_head_dim
     d = gdn["qkv"].shape[-1]
     q_, k_, v_ = np.split(gdn["qkv"], [h * k, 2 * h * k])
 

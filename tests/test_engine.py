@@ -3,17 +3,14 @@ import math
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import struct
 
 import jaxspec
-from jaxspec import dflash
-from jaxspec import target as target_mod
 from jaxspec.cache import cache_nbytes
-from jaxspec.config import DraftConfig, SpecConfig
+from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
+from proposers import OracleProposer, random_draft
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
 MAX_NEW = 24
@@ -37,57 +34,12 @@ def reference(model, prompts):
     return [r.tokens for r in engine.generate(prompts, max_new_tokens=MAX_NEW)]
 
 
-@struct.dataclass
-class OracleProposer:
-    """Proposes the target's own greedy continuation (cache-free forwards over the slot's token
-    history) and corrupts one random draft position per step, or none: every accepted length
-    0..B-1 becomes likely. Randomness comes from (slot, context length), so runs are reproducible."""
-
-    target: target_mod.Target
-    block_size: int = struct.field(pytree_node=False)
-    taps = ()
-
-    def init_state(self, num_slots, max_len):
-        return jnp.zeros((num_slots + 1, max_len), jnp.int32)
-
-    def observe(self, history, tokens, hidden, positions, slots, valid):
-        rows = jnp.where(valid & (slots > 0), slots, history.shape[0])
-        return history.at[rows, positions].set(tokens, mode="drop")
-
-    def propose(self, history, anchors, slots, ctx_len):
-        rows = jnp.arange(slots.shape[0])
-        seq = history[slots].at[rows, ctx_len].set(anchors)
-
-        def greedy_next(i, carry):                      # one cache-free forward per draft position
-            seq, drafts = carry
-            length = ctx_len + 1 + i
-            logits, *_ = target_mod._prefill_layers(self.target, seq, length, (), "ref")
-            nxt = jnp.argmax(jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0], -1)
-            return seq.at[rows, length].set(nxt), drafts.at[:, i].set(nxt)
-
-        drafts = jnp.zeros((slots.shape[0], self.block_size - 1), jnp.int32)
-        _, drafts = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts))
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
-            slots, ctx_len)
-        where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none
-        bad = (drafts + 1 + jnp.arange(self.block_size - 1)[None, :]) % self.target.config.vocab_size
-        drafts = jnp.where(jnp.arange(self.block_size - 1)[None, :] == where[:, None], bad, drafts)
-        return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0
-
-
-def _random_draft(model, block_size, seed=0):
-    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=model.config.vocab_size,
-                         block_size=block_size, target_layer_ids=(1, 3), mask_token_id=511, target_hidden_size=64)
-    return dflash.init_draft(config, jax.random.PRNGKey(seed))
-
-
 @pytest.mark.parametrize("block_size,fold_policy", [(2, "every"), (4, "lazy"), (8, "every"), (16, "lazy")],
                          ids=["B2-every", "B4-lazy", "B8-every", "B16-lazy"])
 def test_static_greedy_is_lossless(model, prompts, reference, block_size, fold_policy):
     ring = 16 if fold_policy == "every" or block_size <= 8 else 32
     spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, fold_policy=fold_policy, ring_len=ring)
-    engine = Engine(model, _random_draft(model, block_size), spec)
+    engine = Engine(model, random_draft(model, block_size), spec)
     for batch in ([0], [1, 2, 3], list(range(8))):                     # 8 requests > 4 slots: a queue
         results = engine.generate([prompts[i] for i in batch], max_new_tokens=MAX_NEW)
         for i, r in zip(batch, results):
@@ -113,7 +65,7 @@ def test_oracle_drafts_hit_every_accept_length(model, prompts, reference, fold_p
 
 def test_request_joining_mid_run_matches_running_alone(model, prompts):
     spec = SpecConfig(verify_mode="static", num_slots=2, max_len=96)
-    engine = Engine(model, _random_draft(model, 4), spec)
+    engine = Engine(model, random_draft(model, 4), spec)
     for temperature in (0.0, 0.8):
         together = engine.generate(prompts[:3], max_new_tokens=12, temperature=temperature, seed=[5, 6, 7])
         alone = engine.generate(prompts[2:3], max_new_tokens=12, temperature=temperature, seed=7)
@@ -136,7 +88,7 @@ def test_bad_requests_are_refused_and_others_finish(model, prompts, reference):
 ], ids=["mode", "slots", "block", "ring"])
 def test_invalid_spec_config_names_the_field(model, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        Engine(model, _random_draft(model, 4), SpecConfig(**kwargs))
+        Engine(model, random_draft(model, 4), SpecConfig(**kwargs))
 
 
 def test_generate_arguments_are_checked(model):
@@ -151,7 +103,7 @@ def test_device_state_bytes_match_design_formula(model):
     """No per-draft-token SSM state: the state is exactly DESIGN section 4's table."""
     c = model.config
     spec = SpecConfig(verify_mode="static", num_slots=3, max_len=64, ring_dtype="bfloat16", state_dtype="bfloat16")
-    engine = Engine(model, _random_draft(model, 8), spec)
+    engine = Engine(model, random_draft(model, 8), spec)
     s1, T, L, act = 4, 8, 16, 4                                          # float32 activations
     g, a = 3, 1
     H, HV, K, V, C, W = 2, 6, 16, 16, 160, 4

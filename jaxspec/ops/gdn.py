@@ -48,8 +48,10 @@ def read_updates(ring_u):
 def _split_updates(ring_u, u):
     """u float32 -> what the ring stores: u itself, or (hi, lo) with hi = bf16(u), lo = bf16(u - hi)."""
     if isinstance(ring_u, (tuple, list)):
-        hi = u.astype(ring_u[0].dtype)
-        return hi, (u - hi.astype(jnp.float32)).astype(ring_u[1].dtype)
+        # reduce_precision rounds to bfloat16 inside float32 explicitly: XLA's GPU excess-precision
+        # rewrite may drop an f32 -> bf16 -> f32 round trip, which would zero the residual.
+        hi = jax.lax.reduce_precision(u, exponent_bits=8, mantissa_bits=7)
+        return hi.astype(ring_u[0].dtype), (u - hi).astype(ring_u[1].dtype)
     return (u,)
 
 
@@ -219,7 +221,10 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     written at ring positions write_pos[slot] + t. The checkpoint is only read. Padding rows and
     slot-0 requests output 0 and write nothing.
     """
-    use_kernel("gdn_verify", impl, None)
+    from jaxspec.pallas import gdn_verify as pallas_verify
+    args = (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max)
+    if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args)):
+        return pallas_verify.gdn_verify(*args)
     hv = ring_g.shape[1]
     (qp, kp, vp, gp, bp), valid = zip(*(packing.to_padded(x, query_start_loc, t_max) for x in (q, k, v, g, beta)))
     valid = valid[0] & (slots > 0)[:, None]                                               # [B, T]

@@ -1,0 +1,362 @@
+"""The GDN replay-verify Pallas kernel against the jnp reference (jaxspec.ops.gdn.gdn_verify, impl="ref").
+
+CPU: interpret mode, small shapes (K = V = 32, two V blocks, two K chunks). GPU (-m gpu): the real
+Triton kernel at model shapes. Both check every element the contract writes (outputs of real tokens,
+zero rows of padding and null-slot requests, the window's ring records) and that everything else in
+the ring is bit-identical; interpret mode fills fresh outputs with NaN, so unwritten rows fail.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+from gpu_lowering import lower_for_h200
+from jaxspec.ops.gdn import gdn_verify
+from jaxspec.pallas import gdn_verify as kv
+
+bf16 = jnp.bfloat16
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+# Small CPU shapes: r = 3 value heads per key head, 2 V blocks, 2 K chunks, ring 16.
+SMALL = dict(H=2, HV=6, K=32, V=32, L=16, S1=6)
+SMALL_CFG = kv.VerifyConfig(block_v=16, block_k=16)
+KEY_CFG = kv.VerifyConfig(group="key_head", block_v=16, block_k=16, prefetch=True)   # the other grouping
+# (slot, window length): slot 0 is a padding request, slot 2 is not in the batch; 5 = t_max, 0 empty.
+REQUESTS = [(3, 5), (0, 3), (1, 2), (5, 0), (4, 1)]
+T_MAX, N_PAD = 5, 2
+
+
+def f32(x):
+    return np.asarray(x, np.float32)
+
+
+def write_positions(hist, s1, ring_len, t_max, rng):
+    if hist == "empty":
+        return np.zeros(s1, np.int32)
+    if hist == "full":                                   # nearly full: the window just fits
+        return np.full(s1, ring_len - t_max, np.int32)
+    if hist == "overflow":                               # records past the ring end are dropped
+        return np.full(s1, ring_len - 2, np.int32)
+    return rng.integers(0, ring_len - t_max + 1, s1).astype(np.int32)   # "partial" / mixed
+
+
+def make_case(seed, hist, ckpt_dtype, ring, requests=REQUESTS, t_max=T_MAX, n_pad=N_PAD, shapes=SMALL):
+    """Random packed window over ring histories; dead records (>= write_pos) hold NaN / inf."""
+    H, HV, K, V, L, S1 = (shapes[x] for x in ("H", "HV", "K", "V", "L", "S1"))
+    rng = np.random.default_rng(seed)
+    slots = np.array([s for s, _ in requests], np.int32)
+    qsl = oracle.qsl_from_lengths([n for _, n in requests])
+    n = int(qsl[-1]) + n_pad
+    q = f32(oracle.l2n(rng.standard_normal((n, H, K))) * K ** -0.5)
+    k = f32(oracle.l2n(rng.standard_normal((n, H, K))))
+    v = f32(rng.standard_normal((n, HV, V)))
+    g = f32(-0.4 * oracle.softplus(rng.standard_normal((n, HV))))
+    beta = f32(oracle.sigmoid(rng.standard_normal((n, HV))))
+    ckpt = f32(rng.standard_normal((S1, HV, K, V)) * 0.5)
+    rk = f32(oracle.l2n(rng.standard_normal((S1, H, L, K))))
+    ru = f32(rng.standard_normal((S1, HV, L, V)) * 0.3)
+    rg = f32(-0.5 * oracle.softplus(rng.standard_normal((S1, HV, L))))
+    write_pos = write_positions(hist, S1, L, t_max, rng)
+    dead = np.arange(L)[None, :] >= write_pos[:, None]                   # [S1, L]
+    rk[np.broadcast_to(dead[:, None, :], rk.shape[:3])] = np.nan
+    ru[np.broadcast_to(dead[:, None, :], ru.shape[:3])] = np.inf
+    rg[np.broadcast_to(dead[:, None, :], rg.shape)] = np.nan
+    ckpt = jnp.asarray(ckpt, ckpt_dtype)
+    if ring == "f32":
+        ring_u = jnp.asarray(ru)
+        rk = jnp.asarray(rk)
+    else:
+        k = f32(jnp.asarray(k, bf16))        # keys arrive bf16-exact when the ring stores bf16
+        rk = jnp.asarray(rk, bf16)
+        hi = jnp.asarray(ru, bf16)
+        with np.errstate(invalid="ignore"):   # inf - inf in the dead records
+            lo = jnp.asarray(ru - np.asarray(hi, np.float32), bf16)
+        ring_u = (hi, jnp.where(jnp.isfinite(lo), lo, jnp.inf).astype(bf16))
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta), ckpt, rk, ring_u,
+            jnp.asarray(rg), jnp.asarray(write_pos), jnp.asarray(qsl), jnp.asarray(slots))
+    return args
+
+
+@functools.lru_cache(maxsize=None)
+def _ref_fn(t_max):
+    return jax.jit(lambda *a: gdn_verify(*a, t_max, impl="ref"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_fn(t_max, cfg, interpret):
+    return jax.jit(lambda *a: kv.gdn_verify(*a, t_max, config=cfg, interpret=interpret))
+
+
+def as_np(out):
+    o, rk, ru, rg = out
+    ru = tuple(np.asarray(x) for x in ru) if isinstance(ru, tuple) else (np.asarray(ru),)
+    return np.asarray(o), np.asarray(rk), ru, np.asarray(rg)
+
+
+def u_value(parts):
+    return sum(p.astype(np.float64) for p in parts)
+
+
+def written_mask(args, t_max, ring_len):
+    """[S1, L] ring positions the contract writes: write_pos[slot] + t for the real tokens."""
+    write_pos, qsl, slots = (np.asarray(x) for x in args[9:12])
+    w = np.zeros((write_pos.shape[0], ring_len), bool)
+    for r, s in enumerate(slots):
+        n = min(int(qsl[r + 1] - qsl[r]), t_max)
+        if s > 0 and n > 0:
+            pos = write_pos[s] + np.arange(n)
+            w[s, pos[pos < ring_len]] = True
+    return w
+
+
+def oracle_u(args, t_max):
+    """float64 oracle of the window's updates u: [S1, HV, L, V], NaN where nothing is written.
+
+    The u records are held to this oracle rather than to the reference's (hi, lo) pair: on the GPU,
+    XLA's excess-precision rewrite (xla_allow_excess_precision, on by default) folds the
+    reference's f32 -> bf16 -> f32 round trip away, so its lo part comes out 0."""
+    q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots = (
+        tuple(np.asarray(p, np.float64) for p in x) if isinstance(x, tuple) else np.asarray(x) for x in args)
+    u_hist = sum(ru) if isinstance(ru, tuple) else ru
+    ring_len = rg.shape[-1]
+    out = np.full(u_hist.shape, np.nan)
+    for r, s in enumerate(slots):
+        n = min(int(qsl[r + 1] - qsl[r]), t_max)
+        if s == 0 or n == 0:
+            continue
+        rows = slice(qsl[r], qsl[r] + n)
+        m = int(write_pos[s])
+        h = oracle.gdn_fold(ckpt[s].astype(np.float64), rk[s], u_hist[s], rg[s], m)
+        _, eu, _ = oracle.gdn_recurrence(q[rows], k[rows], v[rows], g[rows], beta[rows], h)
+        for i in range(n):
+            if m + i < ring_len:
+                out[s, :, m + i] = eu[i]
+    return out
+
+
+def check_against_ref(args, got, exp, t_max, tol):
+    """Every written element close to the reference (u: to the float64 oracle) and finite; all
+    other ring bits unchanged."""
+    o, rk, ru, rg = got
+    eo, erk, eru, erg = exp
+    qsl, slots = np.asarray(args[10]), np.asarray(args[11])
+    assert o.dtype == np.float32 and o.shape == eo.shape
+    assert np.all(np.isfinite(o)), "every output row is written (interpret mode starts from NaN)"
+    oracle.assert_close(o, eo, tol, "o")
+    pad = o[qsl[-1]:]
+    assert not pad.any(), "padding rows must be exactly 0"
+    for r, s in enumerate(slots):
+        if s == 0:
+            assert not o[qsl[r]:qsl[r + 1]].any(), "null-slot request rows must be exactly 0"
+    ring_len = rg.shape[-1]
+    w = written_mask(args, t_max, ring_len)
+    keep = ~w
+    old_rk, old_ru, old_rg = np.asarray(args[6]), args[7], np.asarray(args[8])
+    old_ru = tuple(np.asarray(x) for x in old_ru) if isinstance(old_ru, tuple) else (np.asarray(old_ru),)
+    sel3 = lambda a: np.broadcast_to(keep[:, None, :], a.shape[:3])
+    np.testing.assert_array_equal(oracle.bits(rk)[sel3(rk)], oracle.bits(old_rk)[sel3(rk)], "ring_k untouched")
+    np.testing.assert_array_equal(oracle.bits(rg)[sel3(rg)], oracle.bits(old_rg)[sel3(rg)], "ring_g untouched")
+    for new, old in zip(ru, old_ru):
+        np.testing.assert_array_equal(oracle.bits(new)[sel3(new)], oracle.bits(old)[sel3(new)], "ring_u untouched")
+    # written records: keys and gates are copies (exact), u close to the reference
+    sel_w = lambda a: np.broadcast_to(w[:, None, :], a.shape[:3])
+    np.testing.assert_array_equal(oracle.bits(rk)[sel_w(rk)], oracle.bits(erk)[sel_w(rk)], "ring_k records")
+    np.testing.assert_array_equal(oracle.bits(rg)[sel_w(rg)], oracle.bits(erg)[sel_w(rg)], "ring_g records")
+    u, eu = u_value(ru), oracle_u(args, t_max)
+    assert np.all(np.isfinite(u[sel_w(u)])), "written u records finite"
+    oracle.assert_close(u[sel_w(u)], eu[sel_w(u)], tol, "ring_u records")
+    if len(ru) == 2:   # a compensated pair: lo is the bf16 residual of hi
+        hi, lo = (x.astype(np.float64)[sel_w(x)] for x in ru)
+        assert np.all(np.abs(lo) <= 2.0 ** -8 * np.abs(hi) + 1e-30)
+
+
+TOL = {("f32", "f32"): 2e-5, ("f32", "bf16-hilo"): 5e-5, ("bf16", "bf16-hilo"): 5e-5, ("bf16", "f32"): 2e-5}
+
+
+# ------------------------------------------------------------------------------ CPU (interpret)
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="group"):
+        kv.VerifyConfig(group="request")
+    with pytest.raises(ValueError, match="block_k"):
+        kv.VerifyConfig(block_k=8)
+    with pytest.raises(ValueError, match="block_v"):
+        kv.VerifyConfig(block_v=48)
+    with pytest.raises(ValueError, match="block_v"):
+        kv.VerifyConfig(block_v=8)
+    with pytest.raises(ValueError, match="prefetch"):
+        kv.VerifyConfig(prefetch=1)
+    with pytest.raises(ValueError, match="num_warps"):
+        kv.VerifyConfig(num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        kv.VerifyConfig(num_stages=0)
+
+
+def test_supports():
+    args = make_case(1, "partial", jnp.float32, "f32")
+    assert kv.supports(*args, T_MAX)
+    assert not kv.supports(*args, 33)                                      # token tile <= 32
+    bad_v = (args[0], args[1], args[2][..., :24]) + args[3:]               # V not a power of two
+    assert not kv.supports(*bad_v, T_MAX)
+    bad_ring = args[:8] + (args[8].astype(bf16),) + args[9:]               # gates must be f32
+    assert not kv.supports(*bad_ring, T_MAX)
+
+
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo"),
+                                             ("bf16", "f32")])
+@pytest.mark.parametrize("hist", ["empty", "partial", "full", "overflow"])
+def test_matches_reference(hist, ckpt_dtype, ring):
+    args = make_case(10, hist, {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype], ring)
+    got = as_np(_kernel_fn(T_MAX, SMALL_CFG, True)(*args))
+    exp = as_np(_ref_fn(T_MAX)(*args))
+    check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
+
+
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
+@pytest.mark.parametrize("hist", ["empty", "partial", "full"])
+def test_key_head_grouping_matches_reference(hist, ckpt_dtype, ring):
+    args = make_case(11, hist, {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype], ring)
+    got = as_np(_kernel_fn(T_MAX, KEY_CFG, True)(*args))
+    exp = as_np(_ref_fn(T_MAX)(*args))
+    check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
+
+
+@pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+def test_decode_t1(cfg):
+    """T = 1 (the decode path) through the same kernel: every request has one token."""
+    reqs = [(2, 1), (0, 1), (5, 1), (1, 0), (3, 1)]
+    args = make_case(20, "partial", jnp.float32, "f32", requests=reqs, t_max=1, n_pad=3)
+    got = as_np(_kernel_fn(1, cfg, True)(*args))
+    exp = as_np(_ref_fn(1)(*args))
+    check_against_ref(args, got, exp, 1, 2e-5)
+
+
+def test_dispatch_pallas_matches_kernel():
+    args = make_case(30, "partial", jnp.float32, "f32")
+    via_op = as_np(jax.jit(lambda *a: gdn_verify(*a, T_MAX, impl="pallas"))(*args))
+    exp = as_np(_ref_fn(T_MAX)(*args))
+    check_against_ref(args, via_op, exp, T_MAX, 2e-5)
+
+
+POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
+
+
+@pytest.fixture(scope="module", params=[SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+def clean_run(request):
+    args = make_case(40, "partial", jnp.float32, "f32")
+    return args, request.param, as_np(_kernel_fn(T_MAX, request.param, True)(*args))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
+def test_poison_contained(clean_run, field, bad):
+    """A non-finite input at a rejected token leaves every earlier output and record bit-identical."""
+    args, cfg, (o0, rk0, ru0, rg0) = clean_run
+    check_poison(args, o0, rk0, ru0, rg0, field, bad, _kernel_fn(T_MAX, cfg, True), T_MAX)
+
+
+def check_poison(args, o0, rk0, ru0, rg0, field, bad, fn, t_max):
+    i = "q k v g beta".split().index(field)
+    qsl, slots, write_pos = (np.asarray(x) for x in (args[10], args[11], args[9]))
+    row = qsl[POISON_REQ] + POISON_T
+    x = np.array(args[i])
+    x[row] = bad
+    args = args[:i] + (jnp.asarray(x),) + args[i + 1:]
+    o, rk, ru, rg = as_np(fn(*args))
+    ok_rows = np.ones(len(o), bool)
+    ok_rows[row:qsl[POISON_REQ + 1]] = False
+    assert np.all(np.isfinite(o[ok_rows]))
+    np.testing.assert_array_equal(oracle.bits(o[ok_rows]), oracle.bits(o0[ok_rows]),
+                                  "outputs before the poisoned token / of other requests")
+    s = slots[POISON_REQ]
+    ok_pos = np.ones(rg.shape[::2], bool)
+    ok_pos[s, write_pos[s] + POISON_T:] = False
+    for new, old, name in ((rk, rk0, "ring_k"), *((a, b, "ring_u") for a, b in zip(ru, ru0)), (rg, rg0, "ring_g")):
+        sel = np.broadcast_to(ok_pos[:, None, :], new.shape[:3])
+        np.testing.assert_array_equal(oracle.bits(new)[sel], oracle.bits(old)[sel],
+                                      f"{name} records before the poisoned token / of other slots")
+    before = slice(write_pos[s], write_pos[s] + POISON_T)
+    for new, name in ((rk, "ring_k"), *((a, "ring_u") for a in ru), (rg, "ring_g")):
+        assert np.all(np.isfinite(new[s, :, before])), f"{name} records before the poisoned token"
+
+
+# ------------------------------------------------------------------------------ H200 lowering
+
+BENCH = dict(H=16, HV=48, K=128, V=128, L=16)
+
+
+def bench_structs(batch, t_max, ckpt_dtype, hilo, ring_len=16):
+    sd = jax.ShapeDtypeStruct
+    H, HV, K, V = BENCH["H"], BENCH["HV"], BENCH["K"], BENCH["V"]
+    s1, n = batch + 1, batch * t_max
+    ring_u = (sd((s1, HV, ring_len, V), bf16),) * 2 if hilo else sd((s1, HV, ring_len, V), jnp.float32)
+    return (sd((n, H, K), jnp.float32), sd((n, H, K), jnp.float32), sd((n, HV, V), jnp.float32),
+            sd((n, HV), jnp.float32), sd((n, HV), jnp.float32), sd((s1, HV, K, V), ckpt_dtype),
+            sd((s1, H, ring_len, K), bf16 if hilo else jnp.float32), ring_u, sd((s1, HV, ring_len), jnp.float32),
+            sd((s1,), jnp.int32), sd((batch + 1,), jnp.int32), sd((batch,), jnp.int32))
+
+
+@pytest.mark.parametrize("t_max,ckpt_dtype,hilo,ring_len,group", [
+    (8, bf16, True, 16, "value_head"), (16, jnp.float32, False, 32, "value_head"), (1, bf16, True, 16, "value_head"),
+    (32, jnp.float32, True, 64, "value_head"), (8, bf16, True, 16, "key_head"), (16, jnp.float32, False, 32, "key_head")])
+def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len, group):
+    structs = bench_structs(128, t_max, ckpt_dtype, hilo, ring_len)
+    assert kv.supports(*structs, t_max)
+    cfg = dataclasses.replace(kv.default_config(ckpt_dtype, BENCH["V"]), group=group, prefetch=group == "key_head")
+    text = lower_for_h200(lambda *a: kv.gdn_verify(*a, t_max, config=cfg, interpret=False), *structs)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+# ------------------------------------------------------------------------------ GPU
+
+GPU_SHAPES = dict(H=16, HV=48, K=128, V=128, L=16, S1=12)
+GPU_REQUESTS = [(3, 8), (0, 5), (1, 2), (7, 0), (4, 1), (9, 8), (11, 3), (0, 8)]
+
+
+GPU_KEY = {jnp.float32: kv.VerifyConfig(group="key_head", block_v=64, prefetch=True),
+           bf16: kv.VerifyConfig(group="key_head", block_v=128, prefetch=True)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("group", ["value_head", "key_head"])
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo")])
+@pytest.mark.parametrize("hist", ["empty", "partial", "full"])
+def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
+    dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
+    cfg = None if group == "value_head" else GPU_KEY[dt]
+    args = make_case(50, hist, dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
+    got = as_np(_kernel_fn(8, cfg, False)(*args))
+    exp = as_np(_ref_fn(8)(*args))
+    check_against_ref(args, got, exp, 8, 1e-4)
+    again = as_np(_kernel_fn(8, cfg, False)(*args))           # deterministic (no race)
+    np.testing.assert_array_equal(oracle.bits(got[0]), oracle.bits(again[0]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t_max", [1, 16])
+def test_gpu_t_max(t_max):
+    reqs = [(3, t_max), (0, 1), (1, max(1, t_max // 2)), (7, 0), (4, 1)]
+    args = make_case(60, "partial", bf16, "bf16-hilo", requests=reqs, t_max=t_max, n_pad=3,
+                     shapes=dict(GPU_SHAPES, L=32))
+    got = as_np(_kernel_fn(t_max, None, False)(*args))
+    exp = as_np(_ref_fn(t_max)(*args))
+    check_against_ref(args, got, exp, t_max, 1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("group", ["value_head", "key_head"])
+@pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
+def test_gpu_poison_contained(field, group):
+    args = make_case(70, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5,
+                     shapes=GPU_SHAPES)
+    fn = _kernel_fn(8, None if group == "value_head" else GPU_KEY[jnp.float32], False)
+    o0, rk0, ru0, rg0 = as_np(fn(*args))
+    check_poison(args, o0, rk0, ru0, rg0, field, np.nan, fn, 8)
