@@ -1,5 +1,7 @@
 # `make test` and `make demo` bootstrap .venv with python3.12 on a fresh machine.
-PYTHON312 := $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+# the first python3.12 that actually runs (a pyenv shim can exist without the version behind it)
+PYTHON312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 

@@ -394,6 +394,8 @@ class DraftConfig:
     target_layer_ids: target layers whose output hidden states are concatenated, projected by
         `fc` (n_taps * target_hidden -> hidden_size) and normalised into the draft's context.
     mask_token_id: the token id whose embedding fills the B - 1 draft positions.
+    context_window: attend to the last `context_window` context positions only (0 = all of them);
+        the context K/V cache keeps every position either way.
     HF layout: config.json with these fields at the top level and `dflash_config`
     {"mask_token_id", "target_layer_ids"}; weights fc.weight, hidden_norm.weight, norm.weight,
     layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
@@ -413,6 +415,7 @@ class DraftConfig:
     target_hidden_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    context_window: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -437,6 +440,8 @@ class DraftConfig:
         for field in ("rms_norm_eps", "rope_theta"):
             if not _is_real(getattr(self, field)) or getattr(self, field) <= 0:
                 raise bad(field, "must be a positive number")
+        if not _is_int(self.context_window) or self.context_window < 0:
+            raise bad("context_window", "must be an int >= 0 (0 = the whole context)")
 
     @classmethod
     def from_hf(cls, d: dict, target_hidden_size: int | None = None) -> DraftConfig:

@@ -181,7 +181,8 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
         q = _dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
         k, v = _kv(a, c, xn, positions)
-        o = attention.attention_block(q, state.ctx_k[li], state.ctx_v[li], ctx_len, slots, k, v, impl=impl)
+        o = attention.attention_block(q, state.ctx_k[li], state.ctx_v[li], ctx_len, slots, k, v, c.context_window,
+                                      impl=impl)
         x = x + _dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
         x = x + _mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, 1:], p["norm"], c.rms_norm_eps)

@@ -1,4 +1,5 @@
 """The engine: lossless greedy decoding in every mode, continuous batching, bad input, memory."""
+import collections
 import math
 from pathlib import Path
 
@@ -120,3 +121,36 @@ def test_device_state_bytes_match_design_formula(model):
     per_token_snapshot = T * HV * K * V
     for x in leaves:
         assert math.prod(x.shape[-3:]) < per_token_snapshot or x.shape[-2:] == (K, V) and T not in x.shape[:-2]
+
+
+def test_eos_and_stop_strings_end_a_request(model, prompts, reference):
+    from jaxspec.tokenizer import ByteTokenizer
+
+    engine = Engine(model, random_draft(model, 4), SpecConfig(verify_mode="static", num_slots=2, max_len=96),
+                    tokenizer=ByteTokenizer())
+    ref = reference[1]
+    eos = ref[5]
+    out = engine.generate([prompts[1]], max_new_tokens=MAX_NEW, eos_token_id=eos)[0]
+    assert out.tokens == ref[:ref.index(eos) + 1]
+    text_ids = [t for t in ref if t < 256]                       # byte tokens decode to text
+    assert text_ids, "the reference continuation has no byte-level token to stop on"
+    stop = ByteTokenizer().decode([text_ids[0]])
+    out = engine.generate([prompts[1]], max_new_tokens=MAX_NEW, stop=[stop])[0]
+    assert out.tokens == ref[:ref.index(text_ids[0]) + 1] and stop in out.text
+
+
+def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
+    from jaxspec.spec import calibration
+
+    spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, refit_interval=5)
+    engine = Engine(model, None, spec, proposer=OracleProposer(target=model, block_size=6), record_trace=True)
+    results = engine.generate(prompts, max_new_tokens=16)
+    trace = engine.recorder.save(tmp_path / "trace.npz")
+    # every row the device verified is in the trace: the host's steps, plus the one extra row a
+    # request runs in the step already in flight when the host sees it finish
+    host = collections.Counter(a for r in results for a in r.stats["accepted"])
+    assert trace.features.shape[1] == 5 and np.all(trace.verified == 5)
+    assert not host - collections.Counter(trace.accepted.tolist())
+    assert len(trace.accepted) <= sum(host.values()) + len(prompts)
+    report = calibration.evaluate(calibration.load_trace(tmp_path / "trace.npz"))
+    assert report["samples"] == int(trace.verified.sum()) and 0.0 <= report["auc"] <= 1.0

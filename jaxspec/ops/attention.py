@@ -68,15 +68,19 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     return packing.to_packed(o, query_start_loc, q.shape[0]).astype(q.dtype)
 
 
-def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, *, impl="auto"):
+def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, context_window=0, *, impl="auto"):
     """A draft block attending to its slot's cached context and, bidirectionally, to itself.
 
     q [B, T, Hq, D]; caches [S1, M, KVH, D] (context positions 0..ctx_len-1 valid); ctx_len [B];
-    slots [B]; k_block, v_block [B, T, KVH, D] -> o [B, T, Hq, D] in q.dtype.
+    slots [B]; k_block, v_block [B, T, KVH, D]; context_window static (0 = the whole context, else
+    only positions >= ctx_len - context_window) -> o [B, T, Hq, D] in q.dtype.
     """
     use_kernel("attention_block", impl, None)
     b, t = q.shape[:2]
-    ctx_mask = jnp.arange(k_cache.shape[1])[None, :] < ctx_len[:, None]                  # [B, M]
+    pos = jnp.arange(k_cache.shape[1])[None, :]
+    ctx_mask = pos < ctx_len[:, None]                                                     # [B, M]
+    if context_window:
+        ctx_mask &= pos >= ctx_len[:, None] - context_window
     mask = jnp.concatenate([ctx_mask, jnp.ones((b, t), bool)], axis=1)[:, None, :]
     k = jnp.concatenate([k_cache[slots].astype(k_block.dtype), k_block], axis=1)
     v = jnp.concatenate([v_cache[slots].astype(v_block.dtype), v_block], axis=1)
