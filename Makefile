@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 demo: venv
 	$(VENV)/bin/jaxspec generate --target tests/fixtures/tiny-qwen3_5 --verify-mode none --prompt "def main():" --max-new-tokens 32

@@ -69,15 +69,16 @@ class _Request:
     done: bool = False
 
 
-def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, mode, greedy, max_top_k, impl):
+def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, mode, greedy, max_top_k, impl,
+          force_accept=False):
     """One decoding step for the rows `slots` [S] (0 = inactive row).
 
     mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
     lengths from the estimator's current survivals with a budget of `tier` - active rows tokens
     (`tier` is static: the host chose it from survivals `lag` steps old). cap-accept verifies the
     whole block and caps acceptance at the planned length; compact packs only the planned windows
-    into `tier` rows. Returns (state, emitted [S, T], accepted [S], verified [S], features [S, T-1],
-    survival [S, T-1]).
+    into `tier` rows. force_accept (profiling only) accepts every verified draft. Returns (state,
+    emitted [S, T], accepted [S], verified [S], features [S, T-1], survival [S, T-1]).
     """
     cache = state.cache
     s, t = slots.shape[0], window
@@ -116,6 +117,8 @@ def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, 
     else:
         probs, ids = sampling.target_distribution(logits, params, max_top_k)
     accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
+    if force_accept:
+        accepted = lengths
     cache = target_mod.commit(cache, slots, accepted, impl=impl)
 
     request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
@@ -205,10 +208,11 @@ class Engine:
         self._steps_run = 0
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
         if mode == "none":
-            step = partial(_decode, max_top_k=spec.max_top_k, impl=impl)
+            step, static = partial(_decode, max_top_k=spec.max_top_k, impl=impl), ("greedy", "tier")
         else:
             step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl)
-        self._step = jax.jit(step, static_argnames=("greedy", "tier"), donate_argnums=(0,))
+            static = ("greedy", "tier", "force_accept")
+        self._step = jax.jit(step, static_argnames=static, donate_argnums=(0,))
         self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
         self.state = self._init_state()
 
@@ -239,6 +243,42 @@ class Engine:
         admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
         budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
         return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
+
+    def profile(self, batches, *, repeats=10, prompt_len=8, seed=0) -> CostTable:
+        """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
+        accepted) and return the cost table the planner reads. The engine's state is reset."""
+        if self.proposer is None:
+            raise ValueError("profile: verify_mode 'none' has no tiers to profile")
+        rng = np.random.default_rng(seed)
+        entries = {}
+        calls = repeats + 1
+        if prompt_len + calls * self.window > self.spec.max_len:
+            raise ValueError(f"profile: prompt_len + (repeats + 1) * window exceeds SpecConfig.max_len="
+                             f"{self.spec.max_len}")
+        for batch in batches:
+            if not 1 <= batch <= self.spec.num_slots:
+                raise ValueError(f"batches: {batch} is not in 1..num_slots={self.spec.num_slots}")
+            slots = np.zeros(self.spec.num_slots, np.int32)
+            slots[:batch] = np.arange(1, batch + 1)
+            for tier in self.tier_tokens:
+                if tier < batch:
+                    continue
+                self.state = self._init_state()
+                prompts = rng.integers(0, self.target.config.vocab_size, (batch, prompt_len)).astype(np.int32)
+                params = SamplingParams.create(batch)
+                self.state, _ = self._prefill(self.state, self.target, self.proposer, jnp.asarray(prompts),
+                                              jnp.full((batch,), prompt_len, jnp.int32), jnp.asarray(slots[:batch]),
+                                              jnp.zeros((batch, 2), jnp.uint32), params)
+                times = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, jnp.asarray(slots),
+                                                         greedy=True, tier=tier, force_accept=True)
+                    jax.block_until_ready(emitted)
+                    times.append(time.perf_counter() - start)
+                entries[(batch, tier)] = float(np.median(times[1:]))       # the first call compiles
+        self.state = self._init_state()
+        return CostTable(entries)
 
     # ------------------------------------------------------------------------------ host side
 

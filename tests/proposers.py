@@ -13,10 +13,13 @@ from jaxspec.config import DraftConfig
 class OracleProposer:
     """Proposes the target's own greedy continuation (cache-free forwards over the slot's token
     history) and corrupts one random draft position per step, or none: every accepted length
-    0..B-1 becomes likely. Randomness comes from (slot, context length), so runs are reproducible."""
+    0..B-1 becomes likely. Randomness comes from (slot, context length), so runs are reproducible.
+    With soft=True it instead returns the target's own logits along its greedy continuation: the
+    first draft is then drawn from exactly the target's distribution (a near-perfect draft)."""
 
     target: target_mod.Target
     block_size: int = struct.field(pytree_node=False)
+    soft: bool = struct.field(pytree_node=False, default=False)
     taps = ()
 
     def init_state(self, num_slots, max_len):
@@ -31,14 +34,19 @@ class OracleProposer:
         seq = history[slots].at[rows, ctx_len].set(anchors)
 
         def greedy_next(i, carry):                      # one cache-free forward per draft position
-            seq, drafts = carry
+            seq, drafts, soft = carry
             length = ctx_len + 1 + i
             logits, *_ = target_mod._prefill_layers(self.target, seq, length, (), "ref")
-            nxt = jnp.argmax(jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0], -1)
-            return seq.at[rows, length].set(nxt), drafts.at[:, i].set(nxt)
+            last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+            nxt = jnp.argmax(last, -1)
+            return seq.at[rows, length].set(nxt), drafts.at[:, i].set(nxt), soft.at[:, i].set(last)
 
+        vocab = self.target.config.vocab_size
         drafts = jnp.zeros((slots.shape[0], self.block_size - 1), jnp.int32)
-        _, drafts = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts))
+        soft = jnp.zeros((slots.shape[0], self.block_size - 1, vocab), jnp.float32)
+        _, drafts, soft = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts, soft))
+        if self.soft:
+            return soft
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
             slots, ctx_len)
         where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none

@@ -60,3 +60,19 @@ def test_invalid_arguments_exit_2_naming_the_argument(argv, argument, capsys):
 def test_info_prints_the_config(capsys):
     assert cli.main(["info", FIXTURE]) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == 512
+
+
+def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, capsys):
+    from jaxspec.spec.planner import CostTable
+
+    out = str(tmp_path / "costs.json")
+    assert cli.main(["profile", "--target", FIXTURE, "--draft", draft_dir, "--batches", "1,3", "--num-slots", "3",
+                     "--max-len", "64", "--repeats", "2", "--out", out]) == 0
+    table = CostTable.load(out)
+    assert {b for b, _ in table.entries} == {1, 3} and not table.is_trivial
+    assert all(t > 0 for t in table.entries.values())
+    capsys.readouterr()
+    argv = ["generate", "--target", FIXTURE, "--draft", draft_dir, "--prompt", "ab", "--max-new-tokens", "5",
+            "--verify-mode", "compact", "--cost-table", out, "--json"]
+    assert cli.main(argv) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5

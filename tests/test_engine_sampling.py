@@ -15,6 +15,9 @@ from jaxspec import dflash, engine as engine_mod
 from jaxspec import target as target_mod
 from jaxspec.config import DraftConfig, SpecConfig, TargetConfig
 from jaxspec.engine import Engine
+from jaxspec.spec import layout
+from jaxspec.spec.planner import CostTable
+from proposers import OracleProposer
 from stats import chi2_test
 
 VOCAB, SLOTS, ROUNDS, PROMPT = 16, 512, 40, [3, 1, 4, 1]
@@ -93,4 +96,58 @@ def _bonus_from_p(right):
 def test_wrong_acceptance_fails_the_same_test(models, monkeypatch):
     monkeypatch.setattr(engine_mod.sampling, "accept", _bonus_from_p(engine_mod.sampling.accept))
     pvalues = _pvalues(_sample(_engine(models)), _exact_joint(models[0]))
+    assert min(pvalues.values()) < 1e-3, pvalues
+
+
+# ---------------------------------------------------------------------------------------------
+# compact mode: planned lengths from the online estimator, packed tiers
+
+
+def _compact_engine(models):
+    """Compact mode with a draft whose first position is the target's own distribution, so drafts
+    are often accepted and any anticipation shows."""
+    target = models[0]
+    tiers, _ = layout.tiers(SLOTS, 3)
+    costs = CostTable({(b, n): 1.0 + 0.004 * n for b in (1, SLOTS) for n in range(1, tiers[-1] + 1)})
+    spec = SpecConfig(verify_mode="compact", num_slots=SLOTS, max_len=16, max_top_k=VOCAB, lag=1, warmup_refits=0,
+                      refit_interval=2)
+    return Engine(target, None, spec, proposer=OracleProposer(target=target, block_size=3, soft=True),
+                  cost_table=costs)
+
+
+def _sample_in_waves(engine):
+    """Twice as many requests as slots per call: the second wave joins while the first decodes,
+    so its first verify steps are planned from survivals of the step before."""
+    firsts = []
+    for round_ in range(ROUNDS // 2):
+        seeds = list(range(round_ * 2 * SLOTS, (round_ + 1) * 2 * SLOTS))
+        results = engine.generate([PROMPT] * (2 * SLOTS), max_new_tokens=3, temperature=TEMPERATURE, seed=seeds)
+        firsts += [r.tokens for r in results]
+    counts = np.zeros((VOCAB,) * 3)
+    np.add.at(counts, tuple(np.array(firsts).T), 1)
+    return counts
+
+
+def test_compact_sampling_with_the_estimator_is_lossless(models):
+    engine = _compact_engine(models)
+    pvalues = _pvalues(_sample_in_waves(engine), _exact_joint(models[0]))
+    assert engine.tier_tokens[0] in engine.tier_counts and len(engine.tier_counts) > 1, dict(engine.tier_counts)
+    assert min(pvalues.values()) > 1e-3, pvalues
+
+
+def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, monkeypatch):
+    """Verifying draft 1 only when its sampled value is even anticipates the draft: not lossless."""
+    drawn = []
+    sample, plan = engine_mod.sampling.sample_draft, engine_mod.planner.plan_lengths
+
+    def sample_and_remember(key, q):
+        drawn.append(sample(key, q))
+        return drawn[-1]
+
+    def peeking_plan(survival, budget):
+        return jnp.where(drawn[-1][:, 0] % 2 == 0, plan(survival, budget), 0)
+
+    monkeypatch.setattr(engine_mod.sampling, "sample_draft", sample_and_remember)
+    monkeypatch.setattr(engine_mod.planner, "plan_lengths", peeking_plan)
+    pvalues = _pvalues(_sample_in_waves(_compact_engine(models)), _exact_joint(models[0]))
     assert min(pvalues.values()) < 1e-3, pvalues
