@@ -7,7 +7,8 @@ import json
 import sys
 
 
-def _positive_int(name):
+def positive_int(name):
+    """argparse type: an int >= 1; the message names the argument."""
     def parse(text):
         try:
             value = int(text)
@@ -40,14 +41,14 @@ def _parser():
     gen.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
     gen.add_argument("--draft", help="DFlash draft directory (needed unless --verify-mode none)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
-    gen.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=64)
+    gen.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
     gen.add_argument("--verify-mode", choices=VERIFY_MODES, default="static")
     gen.add_argument("--temperature", type=_non_negative_float("--temperature"), default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--num-slots", type=_positive_int("--num-slots"), default=8)
-    gen.add_argument("--max-len", type=_positive_int("--max-len"), default=1024)
+    gen.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
+    gen.add_argument("--max-len", type=positive_int("--max-len"), default=1024)
     gen.add_argument("--cost-table", help="profiled cost table JSON (from `jaxspec profile`) for "
                      "cap-accept / compact")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -55,9 +56,9 @@ def _parser():
     prof.add_argument("--target", required=True)
     prof.add_argument("--draft", required=True)
     prof.add_argument("--batches", default="1", help="comma-separated active batch sizes")
-    prof.add_argument("--num-slots", type=_positive_int("--num-slots"), default=8)
-    prof.add_argument("--max-len", type=_positive_int("--max-len"), default=256)
-    prof.add_argument("--repeats", type=_positive_int("--repeats"), default=10)
+    prof.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
+    prof.add_argument("--max-len", type=positive_int("--max-len"), default=256)
+    prof.add_argument("--repeats", type=positive_int("--repeats"), default=10)
     prof.add_argument("--out", required=True, help="cost table JSON to write")
     from jaxspec.spec import calibration
 

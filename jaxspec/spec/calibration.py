@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.cli import positive_int
 from jaxspec.spec import estimator as est
 
 __all__ = ["Trace", "TraceRecorder", "save_trace", "load_trace", "evaluate", "auc", "ece",
@@ -420,28 +421,16 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _positive_int(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `estimator` command's arguments (for a sub-parser of the main CLI)."""
     parser.add_argument("trace",
                         help="trace .npz (features, verified, accepted[, temperature, step])")
     parser.add_argument("--plot", metavar="PNG", help="write a reliability plot")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
-    parser.add_argument("--batch-rows", type=_positive_int("--batch-rows"),
+    parser.add_argument("--batch-rows", type=positive_int("--batch-rows"),
                         default=DEFAULT_BATCH_ROWS,
                         help="rows per replayed observe call when the trace has no step index")
-    parser.add_argument("--refit-interval", type=_positive_int("--refit-interval"), default=100)
+    parser.add_argument("--refit-interval", type=positive_int("--refit-interval"), default=100)
     return parser
 
 
