@@ -69,6 +69,15 @@ class _Request:
     done: bool = False
 
 
+def _target_rows(logits, params, greedy, max_top_k):
+    """logits [S, T, vocab] -> (probs, ids) [S, T, k] of the processed target distribution; a
+    greedy-only batch takes the argmax (k = 1) and never sorts the vocabulary."""
+    if greedy:
+        ids = sampling.greedy_tokens(logits)[..., None]
+        return jnp.ones(ids.shape, jnp.float32), ids
+    return sampling.target_distribution(logits, params, max_top_k)
+
+
 def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, mode, greedy, max_top_k, impl,
           force_accept=False):
     """One decoding step for the rows `slots` [S] (0 = inactive row).
@@ -111,11 +120,7 @@ def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, 
     taps = proposer.taps
     logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots, taps, impl=impl)
     logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
-    if greedy:
-        ids = sampling.greedy_tokens(logits)[..., None]
-        probs = jnp.ones(ids.shape, jnp.float32)
-    else:
-        probs, ids = sampling.target_distribution(logits, params, max_top_k)
+    probs, ids = _target_rows(logits, params, greedy, max_top_k)
     accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
     if force_accept:
         accepted = lengths
@@ -139,11 +144,7 @@ def _decode(state: EngineState, target: Target, proposer, slots, *, tier, greedy
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
     logits, _, cache = target_mod.verify(target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32),
                                          slots, (), impl=impl)
-    if greedy:
-        ids = sampling.greedy_tokens(logits)[:, None, None]
-        probs = jnp.ones(ids.shape, jnp.float32)
-    else:
-        probs, ids = sampling.target_distribution(logits[:, None], params, max_top_k)
+    probs, ids = _target_rows(logits[:, None], params, greedy, max_top_k)
     none = jnp.zeros((s,), jnp.int32)
     accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None, none,
                                                params.temperature)
