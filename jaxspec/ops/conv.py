@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxspec.ops import packing
 from jaxspec.ops.dispatch import use_kernel
+from jaxspec.pallas import conv as pallas_conv
 
 
 def _causal_conv(row, weight, t):
@@ -43,7 +44,6 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, i
     Request r continues from conv_state[slots[r]]; conv_window'[slots[r], s] = x of its window
     token s (s < len_r), every other entry unchanged. Padding rows and slot-0 requests output 0.
     """
-    from jaxspec.pallas import conv as pallas_conv
     if use_kernel("conv_verify", impl, lambda: pallas_conv.supports_conv_verify(
             x, conv_state, conv_window, weight, query_start_loc, slots)):
         return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 
 from jaxspec.ops import packing
 from jaxspec.ops.dispatch import use_kernel
+from jaxspec.pallas import fold as pallas_fold
+from jaxspec.pallas import gdn_verify as pallas_verify
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -163,7 +165,6 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, impl="auto"):
     num_records [S1] int32. The optional leading axis is the GDN layer: all layers in one call.
     Returns the new checkpoint in ckpt's dtype; a slot with 0 records is unchanged.
     """
-    from jaxspec.pallas import fold as pallas_fold
     if use_kernel("gdn_fold", impl, lambda: pallas_fold.supports(ckpt, ring_k, ring_u, ring_g, num_records)):
         return pallas_fold.gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records)
     updates = read_updates(ring_u)
@@ -221,7 +222,6 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     written at ring positions write_pos[slot] + t. The checkpoint is only read. Padding rows and
     slot-0 requests output 0 and write nothing.
     """
-    from jaxspec.pallas import gdn_verify as pallas_verify
     args = (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max)
     if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args)):
         return pallas_verify.gdn_verify(*args)
