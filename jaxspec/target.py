@@ -192,8 +192,8 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
     at = (jnp.where(keep, slots[:, None], cache.seq_len.shape[0]), jnp.arange(t)[None, :])
     k_cache, v_cache = cache.k_cache, cache.v_cache
     for ai, (k, v) in enumerate(kv):
-        k_cache = k_cache.at[ai].set(k_cache[ai].at[at].set(k.astype(k_cache.dtype), mode="drop"))
-        v_cache = v_cache.at[ai].set(v_cache[ai].at[at].set(v.astype(v_cache.dtype), mode="drop"))
+        k_cache = k_cache.at[(ai,) + at].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[(ai,) + at].set(v.astype(v_cache.dtype), mode="drop")
     cache = cache.replace(ckpt=ckpt, conv_state=conv_state, k_cache=k_cache, v_cache=v_cache,
                           write_pos=put(cache.write_pos, slots, jnp.zeros_like(slots)),
                           seq_len=put(cache.seq_len, slots, lengths))
@@ -263,11 +263,10 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
 
             def mixer(xn, p=p, ai=ai):
                 q, gate, k, v = _attn_in(p, cfg, xn, positions)
-                kc, vc = attention.kv_write(state["k_cache"][ai], state["v_cache"][ai], k, v, cache.seq_len,
-                                            query_start_loc, slots)
-                state["k_cache"] = state["k_cache"].at[ai].set(kc)
-                state["v_cache"] = state["v_cache"].at[ai].set(vc)
-                o = attention.attention_verify(q, kc, vc, cache.seq_len, query_start_loc, slots, t_max, impl=impl)
+                state["k_cache"], state["v_cache"] = attention.kv_write(
+                    state["k_cache"], state["v_cache"], k, v, cache.seq_len, query_start_loc, slots, layer=ai)
+                o = attention.attention_verify(q, state["k_cache"][ai], state["v_cache"][ai], cache.seq_len,
+                                               query_start_loc, slots, t_max, impl=impl)
                 return _attn_out(p, o, gate)
 
             ai += 1

@@ -39,13 +39,17 @@ def attention_prefill(q, k, v, lengths, *, impl="auto"):
     return _attend(q, k, v, mask).astype(q.dtype)
 
 
-def kv_write(k_cache, v_cache, k, v, seq_lens, query_start_loc, slots):
+def kv_write(k_cache, v_cache, k, v, seq_lens, query_start_loc, slots, layer=None):
     """Write a packed window's K/V [N, KVH, D] at positions seq_lens[slot] + t of each request's slot.
-    Padding rows and slot-0 requests write nothing."""
+    Caches are [S1, M, KVH, D], or stacked [A, S1, M, KVH, D] with `layer` the index to write (one
+    scatter into the donated stack, no per-layer copy). Padding rows and slot-0 requests write nothing."""
+    num_slots = k_cache.shape[-4]
     request, pos, valid = packing.packed_index(query_start_loc, k.shape[0])
     slot = slots[request]
-    slot = jnp.where(valid & (slot > 0), slot, k_cache.shape[0])
-    at = (slot, seq_lens[jnp.minimum(slot, k_cache.shape[0] - 1)] + pos)
+    slot = jnp.where(valid & (slot > 0), slot, num_slots)
+    at = (slot, seq_lens[jnp.minimum(slot, num_slots - 1)] + pos)
+    if layer is not None:
+        at = (layer,) + at
     return (k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
             v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
 
