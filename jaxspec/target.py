@@ -185,8 +185,8 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
     put = packing.scatter_slots
     ckpt, conv_state = cache.ckpt, cache.conv_state
     for gi, (cs, h) in enumerate(gdn_states):
-        ckpt = ckpt.at[gi].set(put(ckpt[gi], slots, h))
-        conv_state = conv_state.at[gi].set(put(conv_state[gi], slots, cs))
+        ckpt = put(ckpt, slots, h, layer=gi)
+        conv_state = put(conv_state, slots, cs, layer=gi)
     t = tokens.shape[1]
     keep = (jnp.arange(t)[None, :] < lengths[:, None]) & (slots > 0)[:, None]
     at = (jnp.where(keep, slots[:, None], cache.seq_len.shape[0]), jnp.arange(t)[None, :])

@@ -40,7 +40,8 @@ def to_packed(xp, query_start_loc, n):
     return _mask(x, valid)
 
 
-def scatter_slots(dest, slots, values):
-    """dest[slots[r]] = values[r] for real slots; slot 0 (the null slot) is never written."""
-    target = jnp.where(slots > 0, slots, dest.shape[0])
-    return dest.at[target].set(values.astype(dest.dtype), mode="drop")
+def scatter_slots(dest, slots, values, layer=None):
+    """dest[slots[r]] = values[r] for real slots; slot 0 (the null slot) is never written. With
+    `layer`, dest is a per-layer stack [G, S1, ...] written at dest[layer, slots[r]] in place."""
+    at = jnp.where(slots > 0, slots, dest.shape[0 if layer is None else 1])
+    return dest.at[at if layer is None else (layer, at)].set(values.astype(dest.dtype), mode="drop")
