@@ -1,8 +1,7 @@
-"""jaxspec: speculative decoding for GDN-hybrid LLMs in JAX (public API, DESIGN section 9)."""
-from jaxspec.config import CacheConfig, DraftConfig, SpecConfig, TargetConfig
+"""jaxspec: speculative decoding for GDN-hybrid LLMs in JAX (the public API of DESIGN section 9)."""
+from jaxspec.config import SpecConfig
 from jaxspec.dflash import load_draft
 from jaxspec.engine import Engine
-from jaxspec.target import Target, load_target, target_logits
+from jaxspec.target import load_target, target_logits
 
-__all__ = ["CacheConfig", "DraftConfig", "Engine", "SpecConfig", "Target", "TargetConfig", "load_draft",
-           "load_target", "target_logits"]
+__all__ = ["Engine", "SpecConfig", "load_draft", "load_target", "target_logits"]

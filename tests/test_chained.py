@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import oracle
-from jaxspec import CacheConfig, cache as cache_mod, target as tgt
+from jaxspec import cache as cache_mod, target as tgt
+from jaxspec.config import CacheConfig
 from jaxspec.ops import conv, gdn
 from jaxspec.weights import load_config
 

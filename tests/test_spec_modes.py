@@ -9,7 +9,7 @@ import pytest
 import jaxspec
 from jaxspec import cache as cache_mod
 from jaxspec import target as target_mod
-from jaxspec.config import SpecConfig
+from jaxspec.config import CacheConfig, SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.spec import layout
 from jaxspec.spec.planner import CostTable
@@ -25,7 +25,7 @@ def model():
 
 def _prefilled(model, block, slots, fold_policy):
     rng = np.random.default_rng(5)
-    cfg = jaxspec.CacheConfig(num_slots=5, max_len=64, window=block, fold_policy=fold_policy,
+    cfg = CacheConfig(num_slots=5, max_len=64, window=block, fold_policy=fold_policy,
                               ring_len=16 if fold_policy == "every" else 32)
     state = cache_mod.init_cache(model.config, cfg)
     lengths = rng.integers(3, 20, len(slots))

@@ -9,6 +9,7 @@ import pytest
 import jaxspec
 from jaxspec import cache as cache_mod
 from jaxspec import target as tgt
+from jaxspec.config import CacheConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
 
@@ -45,7 +46,7 @@ def _prefill(model, seqs, slots, cache_cfg, taps=()):
 def test_ragged_prefill_matches_single_sequences(model):
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, model.config.vocab_size, n) for n in (23, 67, 2)]
-    cfg = jaxspec.CacheConfig(num_slots=4, max_len=96, window=8)
+    cfg = CacheConfig(num_slots=4, max_len=96, window=8)
     logits, hidden, state = _prefill(model, seqs, [3, 1, 4], cfg, taps=(0, 2))
     assert hidden.shape == (3, 67, 2, model.config.hidden_size)
     for i, s in enumerate(seqs):
@@ -63,7 +64,7 @@ def test_verify_after_prefill_equals_whole_prefill(model, ring_dtype):
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, n) for n in (30, 13, 41)]
-    cfg = jaxspec.CacheConfig(num_slots=3, max_len=80, window=7, ring_dtype=ring_dtype)
+    cfg = CacheConfig(num_slots=3, max_len=80, window=7, ring_dtype=ring_dtype)
     _, _, state = _prefill(model, prompts, [2, 3, 1], cfg)
     verify = jax.jit(tgt.verify, static_argnames=("taps", "impl"))
     commit = jax.jit(tgt.commit)
