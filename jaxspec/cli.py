@@ -1,4 +1,4 @@
-"""`jaxspec` command line: generate, profile, estimator, info.
+"""`jaxspec` command line: generate, profile, estimator, train (target | draft), info.
 
 Invalid arguments exit with status 2 and a message naming the argument (argparse's convention).
 """
@@ -64,9 +64,159 @@ def _parser():
 
     calibration.add_arguments(sub.add_parser("estimator", help="AUC and calibration of the acceptance "
                                              "estimator on a recorded trace"))
+    _train_parser(sub.add_parser("train", help="train the tiny byte-level target or a DFlash draft on the "
+                                 "Python standard library's source (jaxspec.train)"))
     info = sub.add_parser("info", help="print a checkpoint's config")
     info.add_argument("path")
     return parser
+
+
+def _positive_float(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {value}")
+        return value
+    return parse
+
+
+def _train_parser(train):
+    """`jaxspec train target` and `jaxspec train draft`: flags shared by both, then each one's model shape."""
+    what = train.add_subparsers(dest="what", required=True)
+    target = what.add_parser("target", help="train a byte-level GDN-hybrid target from scratch")
+    draft = what.add_parser("draft", help="train a DFlash draft against a frozen target")
+    for p, steps in ((target, 2000), (draft, 2000)):
+        p.add_argument("--out", required=True, help="checkpoint directory to write (HF layout + metrics.json "
+                       "+ loss_curve.png); rewritten at every evaluation")
+        p.add_argument("--steps", type=positive_int("--steps"), default=steps)
+        p.add_argument("--batch", type=positive_int("--batch"), default=32, help="sequences per step")
+        p.add_argument("--seq-len", type=positive_int("--seq-len"), default=512, help="tokens (bytes) per sequence")
+        p.add_argument("--lr", type=_positive_float("--lr"), default=2e-3, help="peak learning rate (AdamW)")
+        p.add_argument("--warmup", type=_non_negative_int("--warmup"), default=100, help="linear warmup steps")
+        p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.1)
+        p.add_argument("--grad-clip", type=_positive_float("--grad-clip"), default=1.0)
+        p.add_argument("--eval-every", type=_non_negative_int("--eval-every"), default=200,
+                       help="steps between held-out evaluations and checkpoints (0: only at the end)")
+        p.add_argument("--eval-batches", type=positive_int("--eval-batches"), default=8)
+        p.add_argument("--log-every", type=positive_int("--log-every"), default=10)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype of the saved weights")
+        p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype of the forward pass (master weights stay float32)")
+        p.add_argument("--corpus", help="directory whose *.py files are the corpus (default: the running "
+                       "Python's standard library)")
+        p.add_argument("--time-limit", type=_positive_float("--time-limit"),
+                       help="seconds after which training stops early, evaluates and saves")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    target.add_argument("--hidden-size", type=positive_int("--hidden-size"), default=256)
+    target.add_argument("--intermediate-size", type=positive_int("--intermediate-size"),
+                        help="MLP width (default 3 x hidden size)")
+    target.add_argument("--layers", type=positive_int("--layers"), default=8)
+    target.add_argument("--full-attention-interval", type=positive_int("--full-attention-interval"), default=4,
+                        help="layer i is full attention iff (i + 1) %% interval == 0")
+    target.add_argument("--head-dim", type=positive_int("--head-dim"), default=64,
+                        help="attention and GDN head dim")
+    draft.add_argument("--target", required=True, help="the frozen target's checkpoint directory")
+    draft.add_argument("--layers", type=positive_int("--layers"), default=2, help="draft decoder layers")
+    draft.add_argument("--block-size", type=positive_int("--block-size"), default=8)
+    draft.add_argument("--taps", help="comma-separated target layers whose outputs feed the draft "
+                       "(default: evenly spaced from 1 to layers - 3)")
+    draft.add_argument("--intermediate-size", type=positive_int("--intermediate-size"),
+                       help="MLP width (default 3 x hidden size)")
+    draft.add_argument("--anchors", type=positive_int("--anchors"), default=16, help="random blocks per sequence")
+    draft.add_argument("--gamma", type=_positive_float("--gamma"), default=4.0,
+                       help="loss weight of block position k is exp(-(k-1)/gamma)")
+
+
+def _non_negative_int(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
+        return value
+    return parse
+
+
+def _train(args, parser):
+    import os
+
+    from jaxspec import train
+
+    if args.corpus is not None:
+        if not os.path.isdir(args.corpus):
+            parser.error(f"argument --corpus: {args.corpus!r} is not a directory")
+        n_train, n_held_out = map(len, train.corpus_files(args.corpus))
+        if not n_train or not n_held_out:
+            parser.error(f"argument --corpus: {args.corpus!r} has {n_train} training and {n_held_out} held-out "
+                         f"*.py files; both splits need some (held out: {', '.join(train.HELD_OUT_MODULES)})")
+    try:
+        train.check_out_dir(args.out)
+    except ValueError as e:
+        parser.error(f"argument --out: {e}")
+    common = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
+                  weight_decay=args.weight_decay, grad_clip=args.grad_clip, out_dir=args.out,
+                  eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
+                  seed=args.seed, save_dtype=args.dtype, compute_dtype=args.compute_dtype,
+                  corpus_root=args.corpus, progress=not args.no_progress, time_limit=args.time_limit)
+    if args.what == "target":
+        if args.head_dim % 8:
+            parser.error(f"argument --head-dim: must be a multiple of 8 (rotary on an even quarter), "
+                         f"got {args.head_dim}")
+        config = train.tiny_target_config(
+            hidden_size=args.hidden_size, num_hidden_layers=args.layers, intermediate_size=args.intermediate_size,
+            full_attention_interval=args.full_attention_interval, head_dim=args.head_dim,
+            max_position_embeddings=max(4096, args.seq_len))
+        _, metrics = _run_training(parser, lambda: train.train_target(config, **common))
+    else:
+        from jaxspec.target import load_target
+
+        if not os.path.isfile(os.path.join(args.target, "config.json")):
+            parser.error(f"argument --target: {args.target!r} is not a checkpoint directory (no config.json)")
+        if os.path.abspath(args.target) == os.path.abspath(args.out):
+            parser.error("argument --out: must differ from --target")
+        target = load_target(args.target)
+        n_layers = target.config.num_hidden_layers
+        taps = None
+        if args.taps is not None:
+            try:
+                taps = tuple(int(t) for t in args.taps.split(","))
+            except ValueError:
+                parser.error(f"argument --taps: {args.taps!r} is not a comma-separated list of ints")
+            if not taps or any(not 0 <= t < n_layers for t in taps):
+                parser.error(f"argument --taps: {args.taps!r}: every layer must be in [0, {n_layers})")
+        if args.block_size < 2 or args.block_size > 64:
+            parser.error(f"argument --block-size: must be in 2..64, got {args.block_size}")
+        if args.seq_len - args.block_size < args.anchors:
+            parser.error(f"argument --anchors: {args.anchors} distinct anchors do not fit in --seq-len "
+                         f"{args.seq_len} with --block-size {args.block_size} (at most seq_len - block_size)")
+        try:
+            config = train.tiny_draft_config(target.config, num_hidden_layers=args.layers,
+                                             block_size=args.block_size, target_layer_ids=taps,
+                                             intermediate_size=args.intermediate_size)
+        except ValueError as e:
+            parser.error(str(e))
+        _, metrics = _run_training(parser, lambda: train.train_draft(
+            target, config, anchors_per_seq=args.anchors, gamma=args.gamma,
+            target_path=os.path.abspath(args.target), **common))
+    last = metrics["eval"][-1]
+    rate = metrics["tokens_per_s"]
+    print(json.dumps({"out": args.out, "steps": metrics["last_step"], "tokens_per_s": rate and round(rate, 1),
+                      "held_out": {k: v for k, v in last.items() if k != "step"}}))
+    return 0
+
+
+def _run_training(parser, fn):
+    try:
+        return fn()
+    except ValueError as e:   # what the flags' own checks cannot see (e.g. a corpus too small for --seq-len)
+        parser.error(str(e))
 
 
 def _generate(args, parser):
@@ -149,6 +299,8 @@ def main(argv=None):
         return _generate(args, parser)
     if args.command == "profile":
         return _profile(args, parser)
+    if args.command == "train":
+        return _train(args, parser)
     if args.command == "estimator":
         from jaxspec.spec import calibration
 
