@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.ops.dispatch import use_kernel
+from jaxspec.pallas import topk as pallas_topk
 
 
 @struct.dataclass
@@ -61,10 +62,31 @@ def _per_row(x, lead):
 
 # ------------------------------------------------------------------------------ target side
 
+def _gpu_checked(impl):
+    """The top-k / argmax kernels have only run in interpret mode so far: impl="auto" keeps the
+    reference until a GPU run holds them to it (issue 8); impl="pallas" reaches them."""
+    return impl == "pallas" or pallas_topk.GPU_VALIDATED
+
+
 def greedy_tokens(logits, *, impl="auto"):
     """logits [..., vocab] (any float dtype) -> argmax [...] int32, the lowest id on ties."""
-    use_kernel("greedy_tokens", impl, None)
+    if use_kernel("greedy_tokens", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_argmax(logits)):
+        return pallas_topk.argmax(logits)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def top_k(logits, k, *, impl="auto"):
+    """The k largest logits per row and their ids; the reference is jax.lax.top_k.
+
+    logits [..., vocab] (any float dtype); k: static int in 1..vocab.
+    -> (values [..., k] logits.dtype, ids [..., k] int32), sorted descending in the IEEE total order
+    (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
+    than k finite logits ends with its -inf entries, lowest unused ids first.
+    The Pallas kernel covers float32 / bfloat16 with k <= 64.
+    """
+    if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
+        return pallas_topk.top_k(logits, k)
+    return jax.lax.top_k(logits, k)
 
 
 def target_distribution(logits, params, max_top_k, *, impl="auto"):
@@ -81,19 +103,18 @@ def target_distribution(logits, params, max_top_k, *, impl="auto"):
     Greedy rows (temperature <= 0): probs = [1, 0, ...] on the argmax (lowest id on ties).
     A row whose selected logits are all -inf falls back to the one-hot on its first entry.
     """
-    use_kernel("target_distribution", impl, None)
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     if not isinstance(max_top_k, int) or max_top_k < 1:
         raise ValueError(f"max_top_k={max_top_k!r}: must be a positive Python int (it is a static shape)")
     k_max = min(max_top_k, vocab)
     temperature = _per_row(params.temperature, lead).astype(jnp.float32)
-    top_k = _per_row(params.top_k, lead).astype(jnp.int32)
+    row_top_k = _per_row(params.top_k, lead).astype(jnp.int32)
     top_p = _per_row(params.top_p, lead).astype(jnp.float32)
 
-    vals, ids = jax.lax.top_k(logits, k_max)                       # stable: lower id first on ties
+    vals, ids = top_k(logits, k_max, impl=impl)                    # stable: lower id first on ties
     vals = vals.astype(jnp.float32)
     pos = jnp.arange(k_max, dtype=jnp.int32)
-    k_row = jnp.where((top_k <= 0) | (top_k >= vocab), k_max, jnp.minimum(top_k, k_max))
+    k_row = jnp.where((row_top_k <= 0) | (row_top_k >= vocab), k_max, jnp.minimum(row_top_k, k_max))
     in_k = pos < k_row[..., None]
 
     greedy = temperature <= 0.0

@@ -1,0 +1,488 @@
+"""Pallas (Triton lowering) top-k and greedy argmax over the vocabulary axis of the target logits.
+
+Contracts: `jaxspec.ops.sampling.top_k` (reference `jax.lax.top_k`) and
+`jaxspec.ops.sampling.greedy_tokens` (reference `jnp.argmax`).
+
+Order
+-----
+Every comparison runs on an int32 *sort key*: the float32 bits of the logit with the magnitude bits
+flipped for negative numbers, `key = bits ^ ((bits >> 31) & 0x7fffffff)`. Signed int32 order of the
+key is the IEEE total order that `lax.top_k` uses (checked on the CPU): -NaN < -inf < ... < -0.0 <
++0.0 < ... < +inf < +NaN. bfloat16 converts to float32 exactly, so both dtypes share one key. Ties
+(equal keys) go to the lower column: the kernel returns exactly `lax.top_k`'s indices, including
+rows with fewer than k finite logits (their -inf entries come last, lowest unused columns first).
+Values are gathered from the logits by index at the end, so they are bit-exact. Two keys are
+reserved below every real one: REMOVED (INT_MIN, an entry already taken) and SENTINEL (INT_MIN + 1,
+out-of-range columns and empty candidate slots); real keys are clamped to >= INT_MIN + 2, which only
+touches the two negative-NaN bit patterns 0xfffffffe / 0xffffffff (ranked with 0xfffffffd).
+
+Top-k design: two kernels
+-------------------------
+Stage 1, grid (rows, cdiv(vocab, chunk)), one program per (row, chunk of `chunk` columns, 8192 by
+default): it reads its chunk once (one masked [chunk] load, every load in flight at once; the tail
+chunk is masked explicitly, the Triton lowering does not mask overhanging blocks) and writes a
+*superset* of the chunk's top-k: `slots` = M candidates (key, column) per chunk, M = max(16,
+next_pow2(2k)) (128 for k = 64, 64 for k = 20). It never sorts:
+
+  1. Threshold. The chunk is split into G groups of chunk/G contiguous columns (G = clip(next_pow2(2k),
+     32, 128)); their maxima m_g come from one reduction. t0 = the k-th largest group maximum, found
+     without a serial loop: cnt_g = #{h : m_h >= m_g} over a [G, G] comparison (G^2 / threads = 64
+     compares a thread at G = 128, 256 threads), t0 = max{m_g : cnt_g >= k}. At least k elements of
+     the chunk (k group maxima) are >= t0, so the chunk's top-k all have keys >= t0.
+  2. Counts. n_gt = #{key > t}, n_eq = #{key == t} (one packed int32 sum: gt + eq << 16).
+     If n_gt <= M the candidates are every key > t plus the first M - n_gt ties (== t) in column
+     order. This holds the top-k: if t is below the k-th largest key v_k, the top-k are all > t;
+     if t == v_k, they are the n_gt keys > t plus the lowest-column k - n_gt ties (k <= M).
+  3. Bisection (rare). If n_gt > M (e.g. a contiguous block of high logits covering fewer than k
+     groups), t is raised by bisection over the int32 key space between t0 and the chunk max with
+     the invariants #{key >= lo} >= k and #{key > hi} < k, stopping as soon as n_gt(t) <= M. At
+     lo == hi, t = v_k and n_gt < k <= M, so it ends in at most 32 steps of one compare + one sum.
+     For i.i.d. logits (any distribution: only ranks matter) n_gt is 86 +- 6 at k = 64 (G = 128,
+     max 113 in 2000 chunks) and 23 at k = 20, so the loop does not run.
+  4. Compaction in column order: one inclusive cumsum of the packed (gt, eq) flags gives, for each
+     selected element, slot = #gt before + min(#eq before, M - n_gt); a masked scatter store writes
+     (key, column) there, and SENTINEL fills the unused slots (the two stores touch disjoint slots).
+     Column order is kept so that stage 2 can break ties by slot position.
+
+  Cost per element: load, key (~5 int ops), group max, two compares, pack, sum, scan, predicated
+  store: ~25-30 instructions a thread per element, against k rounds of (max + lowest-index argmax +
+  mask) for the obvious in-register extraction: 64 rounds x ~6 ops = ~380 ops an element and 64-128
+  serial block reductions per program, ~10x the work (estimated ~1.6 ms at 1024 x 248,320 bf16 for
+  k = 64 against a read floor of 0.12 ms). A bitonic partial sort costs ~28 compare-exchange passes
+  of (key, index) pairs over the chunk plus layout shuffles, also far more than one pass. The
+  filter keeps stage 1 close to a single read of the logits.
+
+Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (4096
+at 248,320 x k = 64) and runs k rounds of argmax (one tuple reduction: max key, lowest position on
+ties) + remove. Candidate positions increase with the column (chunks in order, column order inside
+a chunk), so the lowest position among equal keys is the lowest column: the output is in
+`lax.top_k` order. It then gathers the k columns and their logits and writes values [rows, k]
+(input dtype) and indices [rows, k] int32. Candidate traffic (8 bytes x M per chunk, written once
+and read once) is ~6 % of the fp32 logits bytes and ~12 % of the bf16 ones at k = 64, chunk 8192
+(half that at k = 20; a chunk of 16384 halves it again).
+
+Greedy argmax
+-------------
+One pass: grid (rows, splits); a program streams its span of the row in `block`-column steps,
+keeping a per-lane running best (key, column) (strictly greater wins, so a lane keeps its first
+column of a tie) and reduces once at the end (max key, then the lowest column holding it). The key
+follows `jnp.argmax`: any NaN is the maximum, -0.0 == +0.0. splits > 1 (few rows) gives more
+programs; the partial results [rows, splits] are combined by a tiny jnp argmax (the first split
+wins ties, i.e. the lowest column).
+
+Tile sizes are estimates, not yet measured on the H200 (bench/topk_kernel.py sweeps them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Set once tests/test_pallas_topk.py -m gpu has passed on the H200; until then impl="auto" keeps
+# the jnp reference (ops/sampling.py) and only impl="pallas" reaches these kernels.
+GPU_VALIDATED = False
+MAX_K = 64                  # largest k the top-k kernel takes (registers of the stage-2 rounds)
+MAX_CHUNK = 16384           # counts are packed as gt + eq << 16 (eq <= chunk must stay < 2**15)
+MAX_CANDIDATES = 16384      # stage 2 keeps a row's candidates in registers
+_TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM before tiles grow
+
+REMOVED = -2**31            # an entry already taken (stage 2), the argmax's initial best
+SENTINEL = -2**31 + 1       # out-of-range column / empty candidate slot
+KEY_FLOOR = -2**31 + 2      # smallest key of a real logit
+_MAGNITUDE = 0x7FFFFFFF
+_I32_MAX = 2**31 - 1
+
+
+def _is_pow2(v) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+def _i32(v):
+    return jnp.int32(v)
+
+
+def sort_key(x):
+    """int32 key whose signed order is the IEEE total order of x (float32 / bfloat16)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & _i32(_MAGNITUDE))
+
+
+def argmax_key(x):
+    """int32 key of jnp.argmax's order: NaN above everything, -0.0 == +0.0, otherwise IEEE."""
+    key = sort_key(x)
+    key = jnp.where(key == _i32(-1), _i32(0), key)            # -0.0 (key -1) ties with +0.0
+    return jnp.where(x != x, _i32(_I32_MAX), key)
+
+
+# ------------------------------------------------------------------------------ configs
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKConfig:
+    """Tile sizes of the two-stage top-k.
+
+    chunk: columns per stage-1 program (power of two, 64..16384). None: 8192, halved (down to 2048)
+      while rows * cdiv(vocab, chunk) < 528 (four programs per H200 SM), then doubled while the
+      row's candidate count exceeds 16384; clipped to next_pow2(vocab).
+    groups: G, groups of the threshold step (power of two, 2..256); None: clip(next_pow2(2k), 32,
+      128). Larger G gives a tighter threshold (fewer candidates) at G^2 compares per program.
+    slots: M, candidate slots per chunk (power of two, >= k, 16..1024); None: max(16, next_pow2(2k)).
+    num_warps / stage2_warps: warps of the stage-1 / stage-2 programs (1..16, power of two); None:
+      8 for stage 1 (32 fp32 registers a thread at chunk 8192), stage 2 8 (16 when it holds more than
+      8192 candidates).
+    """
+    chunk: int | None = None
+    groups: int | None = None
+    slots: int | None = None
+    num_warps: int | None = None
+    stage2_warps: int | None = None
+
+    def __post_init__(self):
+        if self.chunk is not None and not (_is_pow2(self.chunk) and 64 <= self.chunk <= MAX_CHUNK):
+            raise ValueError(f"TopKConfig.chunk={self.chunk!r}: must be a power of two in [64, {MAX_CHUNK}]")
+        if self.groups is not None and not (_is_pow2(self.groups) and 2 <= self.groups <= 256):
+            raise ValueError(f"TopKConfig.groups={self.groups!r}: must be a power of two in [2, 256]")
+        if self.slots is not None and not (_is_pow2(self.slots) and 16 <= self.slots <= 1024):
+            raise ValueError(f"TopKConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
+        for name in ("num_warps", "stage2_warps"):
+            v = getattr(self, name)
+            if v is not None and v not in (1, 2, 4, 8, 16):
+                raise ValueError(f"TopKConfig.{name}={v!r}: must be one of 1, 2, 4, 8, 16")
+
+    def resolve(self, rows: int, vocab: int, k: int) -> dict:
+        """The launch plan of a call: chunk, groups, slots, num_chunks, candidates, warps."""
+        slots = self.slots or max(16, _next_pow2(2 * k))
+        if slots < k:
+            raise ValueError(f"TopKConfig.slots={slots}: must be >= k={k}")
+        chunk = self.chunk
+        if chunk is None:
+            chunk = 8192
+            while chunk > 2048 and rows * pl.cdiv(vocab, chunk) < _TARGET_PROGRAMS:
+                chunk //= 2
+            while chunk < MAX_CHUNK and pl.cdiv(vocab, chunk) * min(slots, chunk) > MAX_CANDIDATES:
+                chunk *= 2
+        chunk = min(chunk, max(16, _next_pow2(vocab)))
+        slots = min(slots, chunk)                     # slots == chunk: every column is a candidate
+        groups = min(self.groups or min(128, max(32, _next_pow2(2 * k))), chunk)
+        num_chunks = pl.cdiv(vocab, chunk)
+        candidates = num_chunks * slots
+        stage2_block = max(16, _next_pow2(candidates))
+        return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
+                    candidates=candidates, stage2_block=stage2_block,
+                    num_warps=self.num_warps or 8,
+                    stage2_warps=self.stage2_warps or (16 if stage2_block > 8192 else 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgmaxConfig:
+    """Tile sizes of the greedy argmax.
+
+    block: columns per loop step (power of two, 128..16384); None: 16 bytes x 4 per thread per step
+      (2048 fp32 / 4096 bf16 at 4 warps), clipped to next_pow2(vocab).
+    splits: programs per row (>= 1); None: 1 when rows >= 528, else enough to give ~528 programs
+      (each split still >= 4 blocks long).
+    num_warps: 1..16, power of two; None: 4.
+    """
+    block: int | None = None
+    splits: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        if self.block is not None and not (_is_pow2(self.block) and 128 <= self.block <= 16384):
+            raise ValueError(f"ArgmaxConfig.block={self.block!r}: must be a power of two in [128, 16384]")
+        if self.splits is not None and not (isinstance(self.splits, int) and self.splits >= 1):
+            raise ValueError(f"ArgmaxConfig.splits={self.splits!r}: must be a positive integer")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ArgmaxConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
+
+    def resolve(self, rows: int, vocab: int, itemsize: int) -> dict:
+        num_warps = self.num_warps or 4
+        block = self.block or (num_warps * 32 * 4 * 16 // itemsize)
+        block = min(block, max(128, _next_pow2(vocab)))
+        blocks = pl.cdiv(vocab, block)
+        splits = self.splits
+        if splits is None:
+            splits = 1 if rows >= _TARGET_PROGRAMS else max(1, min(pl.cdiv(_TARGET_PROGRAMS, rows), blocks // 4))
+        splits = min(splits, blocks)
+        steps = pl.cdiv(blocks, splits)               # loop steps per program
+        splits = pl.cdiv(blocks, steps)               # no empty split
+        return dict(block=block, splits=splits, steps=steps, num_warps=num_warps)
+
+
+# ------------------------------------------------------------------------------ supports
+
+
+def _rows_vocab(logits):
+    shape = tuple(logits.shape)
+    vocab = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, vocab
+
+
+def supports_top_k(logits, k) -> bool:
+    """Shapes and dtypes the top-k kernel covers: [..., vocab] fp32/bf16, 1 <= k <= min(64, vocab)."""
+    try:
+        if logits.ndim < 1 or jnp.dtype(logits.dtype) not in _DTYPES:
+            return False
+        if not isinstance(k, int) or isinstance(k, bool):
+            return False
+        rows, vocab = _rows_vocab(logits)
+        if not (rows >= 1 and 1 <= k <= min(MAX_K, vocab) and vocab < 2**31 - MAX_CHUNK):
+            return False
+        return TopKConfig().resolve(rows, vocab, k)["candidates"] <= MAX_CANDIDATES
+    except (AttributeError, TypeError):
+        return False
+
+
+def supports_argmax(logits) -> bool:
+    """[..., vocab] fp32/bf16 with at least one row and one column."""
+    try:
+        if logits.ndim < 1 or jnp.dtype(logits.dtype) not in _DTYPES:
+            return False
+        rows, vocab = _rows_vocab(logits)
+        return rows >= 1 and 1 <= vocab < 2**31 - 2**16
+    except (AttributeError, TypeError):
+        return False
+
+
+# ------------------------------------------------------------------------------ top-k kernels
+
+
+def _ceil_avg(lo, hi):
+    """ceil((lo + hi) / 2) in int32 without overflow (arithmetic shift)."""
+    return (lo | hi) - ((lo ^ hi) >> 1)
+
+
+def _stage1_kernel(x_ref, *refs, vocab, k, chunk, groups, slots):
+    """One (row, chunk): write `slots` candidates (key, column), a superset of the chunk's top-k."""
+    key_ref, col_ref = refs[-2:]          # refs[:-2]: poisoned buffers aliased to the outputs (tests)
+    r = pl.program_id(0)
+    c = pl.program_id(1)
+    c0 = c * chunk
+    local = jnp.arange(chunk, dtype=jnp.int32)
+    cols = c0 + local
+    inb = cols < vocab
+    x = plgpu.load(x_ref.at[r, pl.ds(c0, chunk)], mask=inb, other=0)
+    key = jnp.where(inb, jnp.maximum(sort_key(x), _i32(KEY_FLOOR)), _i32(SENTINEL))
+    slot_ids = jnp.arange(slots, dtype=jnp.int32)
+
+    if slots >= chunk:
+        # Small vocabulary: every column is a candidate (out-of-range ones carry SENTINEL).
+        plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], key)
+        plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
+        return
+
+    # 1. threshold: the k-th largest of the G group maxima, by counting (no serial rounds).
+    gmax = jnp.max(key.reshape(groups, chunk // groups), axis=1)                  # [G]
+    cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)      # #{h: m_h >= m_g}
+    t0 = jnp.max(jnp.where(cnt >= k, gmax, _i32(SENTINEL)))
+    top = jnp.max(gmax)
+
+    def counts(t):
+        packed = (key > t).astype(jnp.int32) | (((key == t) & inb).astype(jnp.int32) << 16)
+        s = jnp.sum(packed)
+        return s & _i32(0xFFFF), s >> 16                                           # n_gt, n_eq
+
+    # 2./3. raise t by bisection while more than `slots` keys are strictly above it.
+    def cond(state):
+        _, _, _, n_gt, _, it = state
+        return (n_gt > slots) & (it < 40)          # ends by 33 steps (proof in the docstring)
+
+    def body(state):
+        lo, hi, t, n_gt, n_eq, it = state
+        mid = _ceil_avg(lo, hi)                    # lo < hi here: mid in (lo, hi]
+        m_gt, m_eq = counts(mid)
+        ok = m_gt + m_eq >= k                      # #{key >= mid} >= k: mid is a valid threshold
+        return (jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), jnp.where(ok, mid, t),
+                jnp.where(ok, m_gt, n_gt), jnp.where(ok, m_eq, n_eq), it + 1)
+
+    n_gt0, n_eq0 = counts(t0)
+    _, _, t, n_gt, n_eq, _ = lax.while_loop(cond, body, (t0, top, t0, n_gt0, n_eq0, _i32(0)))
+
+    # 4. compaction in column order: keys > t, then the first `cap` ties, by one packed scan.
+    cap = slots - n_gt
+    gt = key > t
+    eq = (key == t) & inb
+    scan = jnp.cumsum(gt.astype(jnp.int32) | (eq.astype(jnp.int32) << 16))
+    ties_before = jnp.minimum(scan >> 16, cap)
+    sel = gt | (eq & ((scan >> 16) <= cap))
+    pos = jnp.where(sel, (scan & _i32(0xFFFF)) + ties_before - 1, _i32(slots))     # slots: masked off
+    plgpu.store(key_ref.at[r, c, pos], key, mask=sel)
+    plgpu.store(col_ref.at[r, c, pos], cols, mask=sel)
+    n_sel = n_gt + jnp.minimum(n_eq, cap)
+    empty = slot_ids >= n_sel
+    plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
+    plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], jnp.zeros((slots,), jnp.int32), mask=empty)
+
+
+def _stage2_kernel(x_ref, key_ref, col_ref, *refs, k, candidates, block, k_block):
+    """One row: the k largest candidates in lax.top_k order, then their logits."""
+    val_ref, idx_ref = refs[-2:]
+    r = pl.program_id(0)
+    pos = jnp.arange(block, dtype=jnp.int32)
+    keys = plgpu.load(key_ref.at[r, pl.ds(0, block)], mask=pos < candidates, other=REMOVED)
+    j = jnp.arange(k_block, dtype=jnp.int32)
+
+    def round_(i, carry):
+        keys, picked = carry
+        p = jnp.argmax(keys).astype(jnp.int32)         # max key, lowest position (= column) on ties
+        return jnp.where(pos == p, _i32(REMOVED), keys), jnp.where(j == i, p, picked)
+
+    _, picked = lax.fori_loop(0, k, round_, (keys, jnp.zeros((k_block,), jnp.int32)))
+    live = j < k
+    cols = plgpu.load(col_ref.at[r, picked], mask=live, other=0)
+    vals = plgpu.load(x_ref.at[r, cols], mask=live, other=0)
+    plgpu.store(val_ref.at[r, pl.ds(0, k_block)], vals, mask=live)
+    plgpu.store(idx_ref.at[r, pl.ds(0, k_block)], cols, mask=live)
+
+
+def _poisoned(shape, dtype):
+    """A buffer of NaN (floats) or INT_MIN (ints): an element a kernel fails to write stays so."""
+    fill = jnp.nan if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+    return jnp.full(shape, fill, dtype)
+
+
+def _outputs(shapes, poison, first_input):
+    """(out_shape, extra inputs, input_output_aliases) for outputs optionally aliased to poison."""
+    out_shape = tuple(jax.ShapeDtypeStruct(s, d) for s, d in shapes)
+    if not poison:
+        return out_shape, (), {}
+    extra = tuple(_poisoned(s, d) for s, d in shapes)
+    return out_shape, extra, {first_input + i: i for i in range(len(shapes))}
+
+
+def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
+    """Stage 1 alone: x [rows, vocab] -> (keys, columns) [rows, num_chunks, slots] int32."""
+    rows, vocab = x.shape
+    chunk, slots, nch = plan["chunk"], plan["slots"], plan["num_chunks"]
+    out_shape, extra, aliases = _outputs([((rows, nch, slots), jnp.int32)] * 2, poison_outputs, 1)
+    return pl.pallas_call(
+        functools.partial(_stage1_kernel, vocab=vocab, k=k, chunk=chunk, groups=plan["groups"], slots=slots),
+        out_shape=out_shape,
+        grid=(rows, nch),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
+        interpret=interpret,
+        name="topk_stage1",
+    )(x, *extra)
+
+
+def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=False):
+    """Stage 2 alone: the top-k of the candidates -> (values [rows, k] x.dtype, indices [rows, k])."""
+    rows = x.shape[0]
+    n = plan["candidates"]
+    k_block = max(16, _next_pow2(k))
+    out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs, 3)
+    return pl.pallas_call(
+        functools.partial(_stage2_kernel, k=k, candidates=n, block=plan["stage2_block"], k_block=k_block),
+        out_shape=out_shape,
+        grid=(rows,),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=plan["stage2_warps"], num_stages=1),
+        interpret=interpret,
+        name="topk_stage2",
+    )(x, cand_key.reshape(rows, n), cand_col.reshape(rows, n), *extra)
+
+
+def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None = None,
+          candidates_out: bool = False, poison_outputs: bool = False):
+    """Values and indices of the k largest logits per row, in jax.lax.top_k's order.
+
+    logits [..., vocab] float32 / bfloat16; k static, 1 <= k <= min(64, vocab).
+    -> (values [..., k] logits.dtype, indices [..., k] int32), descending, ties: lower index first.
+    candidates_out: also return stage 1's (keys, columns) [rows, num_chunks, slots] (tests).
+    poison_outputs: write into NaN / INT_MIN filled buffers (input_output_aliases), so that an
+      element a kernel does not write shows (tests; interpret mode poisons outputs anyway).
+    """
+    if not supports_top_k(logits, k):
+        raise ValueError(f"top_k kernel: unsupported logits {getattr(logits, 'shape', None)} "
+                         f"{getattr(logits, 'dtype', None)} with k={k!r} (fp32/bf16, 1 <= k <= min(64, vocab))")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    lead = logits.shape[:-1]
+    rows, vocab = _rows_vocab(logits)
+    x = logits.reshape(rows, vocab)
+    plan = (config or TopKConfig()).resolve(rows, vocab, k)
+    cand_key, cand_col = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
+    vals, idx = top_k_select(x, cand_key, cand_col, k, plan, interpret=interpret, poison_outputs=poison_outputs)
+    out = vals.reshape(*lead, k), idx.reshape(*lead, k)
+    if candidates_out:
+        return out + (cand_key, cand_col)
+    return out
+
+
+# ------------------------------------------------------------------------------ greedy argmax
+
+
+def _argmax_kernel(x_ref, *refs, vocab, block, steps):
+    key_ref, col_ref = refs[-2:]
+    r = pl.program_id(0)
+    s = pl.program_id(1)
+    start = s * (steps * block)
+    lanes = jnp.arange(block, dtype=jnp.int32)
+
+    def step(i, carry):
+        best_key, best_col = carry
+        c0 = start + i * block
+        cols = c0 + lanes
+        inb = cols < vocab
+        x = plgpu.load(x_ref.at[r, pl.ds(c0, block)], mask=inb, other=0)
+        key = jnp.where(inb, argmax_key(x), _i32(REMOVED))
+        better = key > best_key                      # strict: a lane keeps its first column of a tie
+        return jnp.where(better, key, best_key), jnp.where(better, cols, best_col)
+
+    init = (jnp.full((block,), REMOVED, jnp.int32), jnp.full((block,), _I32_MAX, jnp.int32))
+    best_key, best_col = lax.fori_loop(0, steps, step, init)
+    top = jnp.max(best_key)
+    col = jnp.min(jnp.where(best_key == top, best_col, _i32(_I32_MAX)))
+    plgpu.store(key_ref.at[r, pl.ds(s, 1)], jnp.full((1,), top, jnp.int32))
+    plgpu.store(col_ref.at[r, pl.ds(s, 1)], jnp.full((1,), col, jnp.int32))
+
+
+def argmax(logits, *, config: ArgmaxConfig | None = None, interpret: bool | None = None,
+           partials_out: bool = False, poison_outputs: bool = False):
+    """logits [..., vocab] float32 / bfloat16 -> argmax [...] int32, jnp.argmax's result (the
+    lowest index on ties, the first NaN if any).
+
+    partials_out: also return the per-split (keys, columns) [rows, splits] (tests).
+    poison_outputs: the kernel writes into INT_MIN filled buffers (tests).
+    """
+    if not supports_argmax(logits):
+        raise ValueError(f"argmax kernel: unsupported logits {getattr(logits, 'shape', None)} "
+                         f"{getattr(logits, 'dtype', None)} (fp32/bf16, at least one row and column)")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    lead = logits.shape[:-1]
+    rows, vocab = _rows_vocab(logits)
+    x = logits.reshape(rows, vocab)
+    plan = (config or ArgmaxConfig()).resolve(rows, vocab, jnp.dtype(x.dtype).itemsize)
+    splits = plan["splits"]
+    out_shape, extra, aliases = _outputs([((rows, splits), jnp.int32)] * 2, poison_outputs, 1)
+    keys, cols = pl.pallas_call(
+        functools.partial(_argmax_kernel, vocab=vocab, block=plan["block"], steps=plan["steps"]),
+        out_shape=out_shape,
+        grid=(rows, splits),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=2),
+        interpret=interpret,
+        name="greedy_argmax",
+    )(x, *extra)
+    if splits == 1:
+        out = cols[:, 0]
+    else:       # splits are in column order: the first split holding the max key wins ties
+        out = jnp.take_along_axis(cols, jnp.argmax(keys, axis=1)[:, None], axis=1)[:, 0]
+    if partials_out:
+        return out.reshape(lead), keys, cols
+    return out.reshape(lead)
