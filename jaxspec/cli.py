@@ -7,29 +7,33 @@ import json
 import sys
 
 
-def positive_int(name):
-    """argparse type: an int >= 1; the message names the argument."""
+def _bounded(name, cast, kind, rule, ok):
+    """argparse type: `cast` of the text, kept only where ok(value); messages name the argument."""
     def parse(text):
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {value}")
         return value
     return parse
+
+
+def positive_int(name):
+    return _bounded(name, int, "an int", ">= 1", lambda v: v >= 1)
+
+
+def _non_negative_int(name):
+    return _bounded(name, int, "an int", ">= 0", lambda v: v >= 0)
+
+
+def _positive_float(name):
+    return _bounded(name, float, "a number", "> 0", lambda v: v > 0)
 
 
 def _non_negative_float(name):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-    return parse
+    return _bounded(name, float, "a number", ">= 0", lambda v: v >= 0)
 
 
 def _parser():
@@ -69,18 +73,6 @@ def _parser():
     info = sub.add_parser("info", help="print a checkpoint's config")
     info.add_argument("path")
     return parser
-
-
-def _positive_float(name):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {value}")
-        return value
-    return parse
 
 
 def _train_parser(train):
@@ -130,18 +122,6 @@ def _train_parser(train):
     draft.add_argument("--anchors", type=positive_int("--anchors"), default=16, help="random blocks per sequence")
     draft.add_argument("--gamma", type=_positive_float("--gamma"), default=4.0,
                        help="loss weight of block position k is exp(-(k-1)/gamma)")
-
-
-def _non_negative_int(name):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an int, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-    return parse
 
 
 def _train(args, parser):
