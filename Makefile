@@ -20,7 +20,8 @@ test: venv
 	$(PY) -m pytest -q --durations=15
 
 demo: venv
-	$(VENV)/bin/jaxspec generate --target tests/fixtures/tiny-qwen3_5 --verify-mode none --prompt "def main():" --max-new-tokens 32
+	$(VENV)/bin/jaxspec generate --block-size 8 --warmup --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
+		--prompt "$$(head -c 300 $$($(PY) -c "import json, os; print(os.path.join(os.path.dirname(json.__file__), 'decoder.py'))"))"
 
 bench: venv
 	$(PY) bench/kernels.py

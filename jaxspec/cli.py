@@ -4,7 +4,13 @@ Invalid arguments exit with status 2 and a message naming the argument (argparse
 """
 import argparse
 import json
+import os
 import sys
+
+# The tiny byte-level models trained by `jaxspec train` and shipped in the repository (models/README.md).
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
+DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
 
 
 def _bounded(name, cast, kind, rule, ok):
@@ -42,8 +48,10 @@ def _parser():
     parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for GDN-hybrid LLMs in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="decode prompts with a target and a draft")
-    gen.add_argument("--target", required=True, help="target checkpoint directory (HF layout)")
-    gen.add_argument("--draft", help="DFlash draft directory (needed unless --verify-mode none)")
+    gen.add_argument("--target", default=DEFAULT_TARGET,
+                     help="target checkpoint directory (HF layout; default: the shipped models/tiny-target)")
+    gen.add_argument("--draft", help="DFlash draft directory (needed unless --verify-mode none; default: "
+                     "models/tiny-dflash when the target is the shipped one)")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     gen.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
     gen.add_argument("--verify-mode", choices=VERIFY_MODES, default="static")
@@ -53,6 +61,12 @@ def _parser():
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
     gen.add_argument("--max-len", type=positive_int("--max-len"), default=1024)
+    gen.add_argument("--block-size", type=_bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
+                     help="verify window (anchor + block_size - 1 drafts; default: the draft's block)")
+    gen.add_argument("--warmup", action="store_true", help="decode the prompts once first, so tokens/s "
+                     "leaves compilation out")
+    gen.add_argument("--compare-none", action="store_true", help="also decode with the target alone "
+                     "(verify mode none) and print both speeds")
     gen.add_argument("--cost-table", help="profiled cost table JSON (from `jaxspec profile`) for "
                      "cap-accept / compact")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -125,7 +139,6 @@ def _train_parser(train):
 
 
 def _train(args, parser):
-    import os
 
     from jaxspec import train
 
@@ -200,14 +213,14 @@ def _run_training(parser, fn):
 
 
 def _generate(args, parser):
-    import os
-
     from jaxspec.config import SpecConfig
     from jaxspec.dflash import load_draft
     from jaxspec.engine import Engine
     from jaxspec.target import load_target
     from jaxspec.tokenizer import load_tokenizer
 
+    if args.draft is None and os.path.abspath(args.target) == DEFAULT_TARGET:
+        args.draft = DEFAULT_DRAFT
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
             parser.error(f"argument {flag}: {path!r} is not a checkpoint directory (no config.json)")
@@ -216,36 +229,55 @@ def _generate(args, parser):
     if args.cost_table is not None and not os.path.isfile(args.cost_table):
         parser.error(f"argument --cost-table: {args.cost_table!r} is not a file")
     try:
-        spec = SpecConfig(verify_mode=args.verify_mode, num_slots=args.num_slots, max_len=args.max_len)
+        spec = SpecConfig(verify_mode=args.verify_mode, num_slots=args.num_slots, max_len=args.max_len,
+                          block_size=args.block_size)
     except ValueError as e:
         parser.error(str(e))
     target = load_target(args.target)
     draft = load_draft(args.draft, target) if args.draft and args.verify_mode != "none" else None
     tokenizer = load_tokenizer(args.target)
-    try:
-        engine = Engine(target, draft, spec, tokenizer=tokenizer, cost_table=args.cost_table)
-        results = engine.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except (ValueError, NotImplementedError) as e:
-        parser.error(str(e))
+
+    def decode(engine_spec, engine_draft, cost_table):
+        try:
+            engine = Engine(target, engine_draft, engine_spec, tokenizer=tokenizer, cost_table=cost_table)
+            run = lambda: engine.generate(args.prompt, max_new_tokens=args.max_new_tokens,
+                                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                          seed=args.seed)
+            if args.warmup:
+                run()
+            return run()
+        except (ValueError, NotImplementedError) as e:
+            parser.error(str(e))
+
+    results = decode(spec, draft, args.cost_table)
+    baseline = None
+    if args.compare_none and args.verify_mode != "none":
+        baseline = decode(SpecConfig(verify_mode="none", num_slots=args.num_slots, max_len=args.max_len), None, None)
     refused = 0
-    for r in results:
+    for i, r in enumerate(results):
         refused += r.error is not None
+        base = baseline[i] if baseline is not None and r.error is None else None
         if args.json:
             stats = {k: r.stats[k] for k in ("accept_length", "steps", "tokens_per_s")} if r.error is None else {}
+            if base is not None:
+                stats["tokens_per_s_none"] = base.stats["tokens_per_s"]
+                stats["same_tokens_as_none"] = base.tokens == r.tokens
             print(json.dumps({"tokens": r.tokens, "text": r.text, "stats": stats, "error": r.error}))
         elif r.error is not None:
             print(f"refused: {r.error}", file=sys.stderr)
         else:
             print(r.text)
-            print(f"[{len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
+            print(f"[{args.verify_mode}: {len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
                   f"{r.stats['accept_length']:.2f}, {r.stats['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
+            if base is not None:
+                same = "the same tokens" if base.tokens == r.tokens else "different tokens"
+                print(f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, "
+                      f"{base.stats['tokens_per_s']:.1f} tokens/s ({same}); speculative speed-up "
+                      f"{r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]", file=sys.stderr)
     return 1 if refused else 0
 
 
 def _profile(args, parser):
-    import os
-
     from jaxspec.config import SpecConfig
     from jaxspec.dflash import load_draft
     from jaxspec.engine import Engine

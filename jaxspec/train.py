@@ -335,13 +335,22 @@ def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block_siz
 # Optimiser, checkpoints, metrics
 
 
-def _optimizer(lr, steps, warmup, weight_decay, grad_clip, decay_mask):
-    warmup = max(0, min(warmup, steps - 1))
-    schedule = optax.warmup_cosine_decay_schedule(0.0 if warmup else lr, lr, warmup, max(steps, warmup + 1),
-                                                  end_value=lr * 0.1)
-    tx = optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay, mask=decay_mask))
-    return tx, schedule
+def _optimizer(weight_decay, grad_clip, decay_mask):
+    """AdamW without its learning rate: the step multiplies the update by -learning_rate(...), so the
+    schedule can follow wall time under a time limit."""
+    return optax.chain(optax.clip_by_global_norm(grad_clip), optax.scale_by_adam(b1=0.9, b2=0.95),
+                       optax.add_decayed_weights(weight_decay, mask=decay_mask))
+
+
+def learning_rate(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, times a cosine from peak to peak / 10 over progress in
+    [0, 1] (the fraction of the step budget or of the time limit used, whichever is larger)."""
+    ramp = min(1.0, step / warmup) if warmup else 1.0
+    return peak * ramp * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _apply(params, updates, lr):
+    return jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
 
 
 def _decay_mask(params, skip=("embed",)):
@@ -438,8 +447,10 @@ class _Clock:
 
 
 def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_per_step, save_fn, progress, desc,
-          train_log, eval_log, time_limit=None):
-    """The shared training loop. step_fn(batch) -> (loss, grad_norm) device scalars; eval_fn() ->
+          train_log, eval_log, time_limit=None, lr=1.0, warmup=0):
+    """The shared training loop. step_fn(batch, learning_rate) -> (loss, grad_norm) device scalars,
+    the rate from `learning_rate(step, progress, lr, warmup)`, progress the larger of step / steps
+    and elapsed / time_limit (so under a time limit the cosine ends when the time does); eval_fn() ->
     dict of floats (with "loss"); save_fn(step) writes a checkpoint. Appends to train_log (the mean
     loss and gradient norm over each log_every steps) and eval_log. After time_limit seconds (if
     given) the step in hand is the last: evaluated and saved like the final one. Returns the clock,
@@ -450,7 +461,9 @@ def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_pe
     t_begin = time.perf_counter()
     last_eval = None
     for step in range(1, steps + 1):
-        pending.append(step_fn(batch_fn()))
+        done = step / steps if time_limit is None else max(step / steps, (time.perf_counter() - t_begin) / time_limit)
+        rate = learning_rate(step, done, lr, warmup)
+        pending.append(step_fn(batch_fn(), np.float32(rate)))
         if step == 1:
             jax.block_until_ready(pending[-1])
             clock.first_step_done()
@@ -461,7 +474,7 @@ def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_pe
         if step % log_every == 0 or last:
             losses, gnorms = np.asarray(jax.device_get(pending), np.float64).T
             pending = []
-            train_log.append({"step": step, "loss": float(losses.mean()), "grad_norm": float(gnorms.mean()),
+            train_log.append({"step": step, "loss": float(losses.mean()), "grad_norm": float(gnorms.mean()), "lr": rate,
                               "elapsed_s": round(time.perf_counter() - t_begin, 3)})
             post = {"loss": f"{losses.mean():.3f}", "tok/s": f"{clock.rate(tokens_per_step) or 0:.3g}"}
             if last_eval is not None:
@@ -514,7 +527,8 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     perplexity and bits per byte are measured on eval_batches fixed batches and, with out_dir, the
     checkpoint (save_dtype) and metrics.json / loss_curve.png are written there. corpus: a
     (train, held_out) pair of `Corpus` (default `load_corpus(corpus_root)`). time_limit: seconds
-    after which training stops early (evaluated and saved; the schedule is not shortened).
+    after which training stops early (evaluated and saved); the cosine decay then follows the
+    elapsed fraction of time_limit when that runs ahead of step / steps.
     metrics: recipe, config, corpus, "train" (mean loss / grad norm per log_every steps), "eval",
     tokens_per_s (after the first step, evaluation excluded), compile_s (the first step), last_step.
     """
@@ -530,10 +544,11 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     train_corpus, held_out = corpus or load_corpus(corpus_root)
     recipe = {"kind": "target", "steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "warmup": warmup,
               "weight_decay": weight_decay, "grad_clip": grad_clip, "eval_every": eval_every,
-              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype}
+              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype,
+              "time_limit": time_limit}
 
     params = init_target(config, jax.random.PRNGKey(seed)).params
-    tx, _ = _optimizer(lr, steps, warmup, weight_decay, grad_clip, _decay_mask(params))
+    tx = _optimizer(weight_decay, grad_clip, _decay_mask(params))
     opt_state = tx.init(params)
     loss_fn = lambda p, tokens: target_loss(p, config, tokens, compute)
 
@@ -541,18 +556,18 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     def eval_loss(p, tokens):
         return loss_fn(p, tokens)
 
-    def step(p, s, tokens):
+    def step(p, s, tokens, rate):
         loss, grads = jax.value_and_grad(loss_fn)(p, tokens)
         updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss, optax.tree.norm(grads)
+        return _apply(p, updates, rate), s, loss, optax.tree.norm(grads)
 
     step = jax.jit(step, donate_argnums=(0, 1))
     rng = np.random.default_rng(seed)
     eval_set = held_out.fixed_batches(eval_batches, batch, seq_len + 1)
     state = {"params": params, "opt": opt_state}
 
-    def step_fn(tokens):
-        state["params"], state["opt"], loss, gnorm = step(state["params"], state["opt"], tokens)
+    def step_fn(tokens, rate):
+        state["params"], state["opt"], loss, gnorm = step(state["params"], state["opt"], tokens, rate)
         return loss, gnorm
 
     def eval_fn():
@@ -575,7 +590,8 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
 
     clock = _loop(steps=steps, step_fn=step_fn, batch_fn=batch_fn, eval_fn=eval_fn, eval_every=eval_every,
                   log_every=log_every, tokens_per_step=batch * seq_len, save_fn=save_fn, progress=progress,
-                  desc="train target", train_log=train_log, eval_log=eval_log, time_limit=time_limit)
+                  desc="train target", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
+                  lr=lr, warmup=warmup)
     metrics.update(tokens_per_s=clock.rate(batch * seq_len), compile_s=clock.compile_s, last_step=clock.last_step)
     if out_dir is not None:
         _write_metrics(out_dir, metrics, title)
@@ -644,11 +660,12 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
     recipe = {"kind": "draft", "target": target_path, "steps": steps, "batch": batch, "seq_len": seq_len,
               "anchors_per_seq": anchors_per_seq, "gamma": gamma, "lr": lr, "warmup": warmup,
               "weight_decay": weight_decay, "grad_clip": grad_clip, "eval_every": eval_every,
-              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype}
+              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype,
+              "time_limit": time_limit}
 
     frozen = Target(params=_cast(target.params, compute), config=tc)
     params = dflash.init_draft(c, jax.random.PRNGKey(seed)).params
-    tx, _ = _optimizer(lr, steps, warmup, weight_decay, grad_clip, _decay_mask(params, skip=()))
+    tx = _optimizer(weight_decay, grad_clip, _decay_mask(params, skip=()))
     opt_state = tx.init(params)
     taps = c.target_layer_ids
 
@@ -656,10 +673,10 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
         _, hidden = target_hidden(tgt, tokens, taps)
         return draft_loss(_cast(p, compute), c, tgt, hidden, tokens, anchors, gamma)
 
-    def step(p, s, tgt, tokens, anchors):
+    def step(p, s, tgt, tokens, anchors, rate):
         loss, grads = jax.value_and_grad(loss_fn)(p, tgt, tokens, anchors)
         updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss, optax.tree.norm(grads)
+        return _apply(p, updates, rate), s, loss, optax.tree.norm(grads)
 
     step = jax.jit(step, donate_argnums=(0, 1))
     eval_step = jax.jit(lambda p, tgt, tokens, anchors: draft_eval_metrics(_cast(p, compute), c, tgt, tokens,
@@ -669,8 +686,8 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
                 for b in held_out.fixed_batches(eval_batches, batch, seq_len)]
     state = {"params": params, "opt": opt_state}
 
-    def step_fn(data):
-        state["params"], state["opt"], loss, gnorm = step(state["params"], state["opt"], frozen, *data)
+    def step_fn(data, rate):
+        state["params"], state["opt"], loss, gnorm = step(state["params"], state["opt"], frozen, *data, rate)
         return loss, gnorm
 
     def batch_fn():
@@ -697,7 +714,8 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
 
     clock = _loop(steps=steps, step_fn=step_fn, batch_fn=batch_fn, eval_fn=eval_fn, eval_every=eval_every,
                   log_every=log_every, tokens_per_step=batch * seq_len, save_fn=save_fn, progress=progress,
-                  desc="train draft", train_log=train_log, eval_log=eval_log, time_limit=time_limit)
+                  desc="train draft", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
+                  lr=lr, warmup=warmup)
     metrics.update(tokens_per_s=clock.rate(batch * seq_len),
                    draft_positions_per_step=batch * anchors_per_seq * (c.block_size - 1),
                    compile_s=clock.compile_s, last_step=clock.last_step)

@@ -89,23 +89,29 @@ def test_loop_cadence_and_time_limit():
     """Logs every log_every steps, evaluates and saves every eval_every steps and at the end; a time
     limit makes the step in hand the last one (evaluated and saved)."""
     def run(steps, eval_every, time_limit=None, sleep=0.0):
-        train_log, eval_log, saved = [], [], []
+        train_log, eval_log, saved, rates = [], [], [], []
 
-        def step_fn(_):
+        def step_fn(_, rate):
+            rates.append(float(rate))
             time.sleep(sleep)
             return np.float32(len(saved)), np.float32(1.0)
 
         clock = train._loop(steps=steps, step_fn=step_fn, batch_fn=lambda: None, eval_fn=lambda: {"loss": 0.5},
                             eval_every=eval_every, log_every=4, tokens_per_step=8, save_fn=saved.append,
-                            progress=False, desc="t", train_log=train_log, eval_log=eval_log, time_limit=time_limit)
-        return clock, [r["step"] for r in train_log], [r["step"] for r in eval_log], saved
+                            progress=False, desc="t", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
+                            lr=1.0, warmup=2)
+        return clock, [r["step"] for r in train_log], [r["step"] for r in eval_log], saved, rates
 
-    clock, logged, evaluated, saved = run(10, 6)
+    clock, logged, evaluated, saved, rates = run(10, 6)
     assert clock.last_step == 10 and logged == [4, 8, 10] and evaluated == saved == [6, 10]
     assert clock.rate(8) > 0
-    clock, logged, evaluated, saved = run(1000, 0, time_limit=0.05, sleep=0.01)
+    expected = [train.learning_rate(s, s / 10, 1.0, 2) for s in range(1, 11)]
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)
+    assert rates[-1] == pytest.approx(0.1, rel=1e-6)
+    clock, logged, evaluated, saved, rates = run(1000, 0, time_limit=0.05, sleep=0.01)
     assert 5 <= clock.last_step < 50
     assert evaluated == saved == [clock.last_step] and logged[-1] == clock.last_step
+    assert rates[-1] < 0.25 and all(a >= b for a, b in zip(rates[1:], rates[2:]))    # the cosine follows the clock
 
 
 # ---------------------------------------------------------------------------------------------
