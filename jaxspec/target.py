@@ -247,14 +247,9 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
                                              query_start_loc, slots, impl=impl)
                 state["conv_window"] = state["conv_window"].at[gi].set(window)
                 q, k, v = _gdn_split(cfg, y)
-                u_layer = tuple(u[gi] for u in ring_u) if isinstance(ring_u, tuple) else ring_u[gi]
-                o, rk, ru, rg = gdn.gdn_verify(q, k, v, g, beta, cache.ckpt[gi], state["ring_k"][gi], u_layer,
-                                               state["ring_g"][gi], cache.write_pos, query_start_loc, slots, t_max,
-                                               impl=impl)
-                state["ring_k"] = state["ring_k"].at[gi].set(rk)
-                state["ring_g"] = state["ring_g"].at[gi].set(rg)
-                ring_u = (tuple(u.at[gi].set(r) for u, r in zip(ring_u, ru)) if isinstance(ring_u, tuple)
-                          else ring_u.at[gi].set(ru))
+                o, state["ring_k"], ring_u, state["ring_g"] = gdn.gdn_verify(
+                    q, k, v, g, beta, cache.ckpt, state["ring_k"], ring_u, state["ring_g"], cache.write_pos,
+                    query_start_loc, slots, t_max, layer=gi, impl=impl)
                 return _gdn_out(p, cfg, o, z, xn.dtype)
 
             gi += 1

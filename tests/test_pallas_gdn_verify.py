@@ -243,6 +243,50 @@ def test_dispatch_pallas_matches_kernel():
     check_against_ref(args, via_op, exp, T_MAX, 2e-5)
 
 
+def stack_layers(cases):
+    """Stack the checkpoint and rings of per-layer cases into [G, ...] arrays (window inputs from case 0)."""
+    stack = lambda xs: (tuple(jnp.stack(p) for p in zip(*xs)) if isinstance(xs[0], tuple) else jnp.stack(xs))
+    return cases[0][:5] + tuple(stack([c[i] for c in cases]) for i in range(5, 9)) + cases[0][9:]
+
+
+def check_stacked(cases, layer, run_stacked, run_single):
+    """Layer `layer` of the stacked call equals the single-layer call on that layer's slices bit for
+    bit; every other layer of every ring is left bit-identical."""
+    stacked = stack_layers(cases)
+    single = cases[0][:5] + tuple(x for x in stacked[5:9]) + cases[0][9:]
+    pick = lambda x: tuple(p[layer] for p in x) if isinstance(x, tuple) else x[layer]
+    single = single[:5] + tuple(pick(x) for x in single[5:9]) + single[9:]
+    got = as_np(run_stacked(*stacked))
+    exp = as_np(run_single(*single))
+    np.testing.assert_array_equal(oracle.bits(got[0]), oracle.bits(exp[0]), "o")
+    old = as_np((stacked[0],) + stacked[6:9])
+    for name, g, e, o in (("ring_k", got[1], exp[1], old[1]), ("ring_g", got[3], exp[3], old[3])):
+        np.testing.assert_array_equal(oracle.bits(g[layer]), oracle.bits(e), name)
+        others = [i for i in range(g.shape[0]) if i != layer]
+        np.testing.assert_array_equal(oracle.bits(g[others]), oracle.bits(o[others]), name + " other layers")
+    for g, e, o in zip(got[2], exp[2], old[2]):
+        np.testing.assert_array_equal(oracle.bits(g[layer]), oracle.bits(e), "ring_u")
+        others = [i for i in range(g.shape[0]) if i != layer]
+        np.testing.assert_array_equal(oracle.bits(g[others]), oracle.bits(o[others]), "ring_u other layers")
+
+
+@pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
+def test_layer_stack_in_place(ckpt_dtype, ring, cfg):
+    """With `layer`, the kernel reads the checkpoint stack and writes the ring stacks at that layer
+    (the model passes whole stacks: no per-layer copy); the reference path does the same."""
+    dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
+    cases = [make_case(60 + i, "partial", dt, ring) for i in range(3)]
+    for layer in (0, 2):
+        check_stacked(cases, layer, jax.jit(lambda *a: kv.gdn_verify(*a, T_MAX, config=cfg, interpret=True,
+                                                                      layer=layer)),
+                      _kernel_fn(T_MAX, cfg, True))
+    check_stacked(cases, 1, jax.jit(lambda *a: gdn_verify(*a, T_MAX, layer=1, impl="ref")), _ref_fn(T_MAX))
+    stacked = stack_layers(cases)
+    assert kv.supports(*stacked, T_MAX, layer=2)
+    assert not kv.supports(*stacked, T_MAX, layer=3) and not kv.supports(*stacked, T_MAX)
+
+
 POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
 
 
@@ -312,6 +356,17 @@ def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len, group):
     assert "__gpu$xla.gpu.triton" in text
 
 
+def test_layer_stack_lowers_for_h200():
+    """48 layers' checkpoint stack (Qwen3.8-27B, batch 128: 9.7 GB bf16) at layer 47: 64-bit offsets."""
+    structs = bench_structs(128, 8, bf16, True, 16)
+    stack = lambda x: jax.ShapeDtypeStruct((48,) + x.shape, x.dtype)
+    stacked = structs[:5] + (stack(structs[5]), stack(structs[6]), tuple(map(stack, structs[7])),
+                             stack(structs[8])) + structs[9:]
+    assert kv.supports(*stacked, 8, layer=47)
+    text = lower_for_h200(lambda *a: kv.gdn_verify(*a, 8, interpret=False, layer=47), *stacked)
+    assert "__gpu$xla.gpu.triton" in text
+
+
 # ------------------------------------------------------------------------------ GPU
 
 GPU_SHAPES = dict(H=16, HV=48, K=128, V=128, L=16, S1=12)
@@ -336,6 +391,16 @@ def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
     check_against_ref(args, got, exp, 8, 1e-4)
     again = as_np(_kernel_fn(8, cfg, False)(*args))           # deterministic (no race)
     np.testing.assert_array_equal(oracle.bits(got[0]), oracle.bits(again[0]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
+def test_gpu_layer_stack_in_place(ckpt_dtype, ring):
+    dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
+    cases = [make_case(70 + i, "partial", dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
+             for i in range(3)]
+    check_stacked(cases, 1, jax.jit(lambda *a: kv.gdn_verify(*a, 8, layer=1)), _kernel_fn(8, None, False))
 
 
 @pytest.mark.gpu

@@ -212,7 +212,7 @@ def _window(h, q, k, v, g, beta, valid):
 
 
 def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-               *, impl="auto"):
+               *, layer=None, impl="auto"):
     """Replay verify of a packed window on top of each slot's checkpoint and ring history.
 
     q, k [N, H, K] (normalised); v [N, HV, V]; g, beta [N, HV]; ckpt [S1, HV, K, V]; ring_k
@@ -221,10 +221,22 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     Returns (o [N, HV, V] float32, ring_k', ring_u', ring_g'): the window's records (k_t, u_t, g_t)
     written at ring positions write_pos[slot] + t. The checkpoint is only read. Padding rows and
     slot-0 requests output 0 and write nothing.
+
+    layer: None, or a static int when ckpt, ring_k, ring_u and ring_g are stacks over the GDN
+    layers ([G, S1, ...]); the returned rings are then the stacks with that layer's records
+    written. The kernel reads and writes the stacks in place (a per-layer slice passed to a kernel
+    is a copy XLA must make, and writing it back is another).
     """
     args = (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max)
-    if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args)):
-        return pallas_verify.gdn_verify(*args)
+    if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args, layer=layer)):
+        return pallas_verify.gdn_verify(*args, layer=layer)
+    if layer is not None:
+        pick = lambda x: tuple(p[layer] for p in x) if isinstance(x, tuple) else x[layer]
+        o, rk, ru, rg = gdn_verify(q, k, v, g, beta, ckpt[layer], ring_k[layer], pick(ring_u), ring_g[layer],
+                                   write_pos, query_start_loc, slots, t_max, impl="ref")
+        put = lambda stack, x: stack.at[layer].set(x)
+        ring_u = tuple(map(put, ring_u, ru)) if isinstance(ring_u, tuple) else put(ring_u, ru)
+        return o, put(ring_k, rk), ring_u, put(ring_g, rg)
     hv = ring_g.shape[1]
     (qp, kp, vp, gp, bp), valid = zip(*(packing.to_padded(x, query_start_loc, t_max) for x in (q, k, v, g, beta)))
     valid = valid[0] & (slots > 0)[:, None]                                               # [B, T]

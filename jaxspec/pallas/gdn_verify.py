@@ -128,9 +128,18 @@ def _parts(ring_u):
 
 
 def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-             config=None) -> bool:
-    """Shapes and dtypes this kernel covers (the GPU check is dispatch's job)."""
+             config=None, layer=None) -> bool:
+    """Shapes and dtypes this kernel covers (the GPU check is dispatch's job). With `layer`, the
+    checkpoint and rings are stacks over layers: their per-layer shapes are checked."""
     try:
+        if layer is not None:
+            stacks = (ckpt, ring_k, *_parts(ring_u), ring_g)
+            if not (isinstance(layer, int) and len({x.shape[0] for x in stacks}) == 1
+                    and 0 <= layer < ckpt.shape[0]):
+                return False
+            one = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            ckpt, ring_k, ring_g = one(ckpt), one(ring_k), one(ring_g)
+            ring_u = tuple(map(one, _parts(ring_u)))
         n, h, kd = q.shape
         _, hv, vd = v.shape
         s1 = ckpt.shape[0]
@@ -213,14 +222,17 @@ def _unit_lower_inverse(a_t, t, n_rows):
 
 
 def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ckpt_ref, rk_in, *refs,
-            group, num_requests, t_max, tt, half, hilo, ratio, block_v, block_k, pad_rows, prefetch):
+            group, num_requests, t_max, tt, half, hilo, ratio, block_v, block_k, pad_rows, prefetch, layer):
     n_u = 2 if hilo else 1
     ru_in, rg_in = refs[:n_u], refs[n_u]
     o_ref, rk_out = refs[n_u + 1], refs[n_u + 2]
     ru_out, rg_out = refs[n_u + 3:2 * n_u + 3], refs[2 * n_u + 3]
     n_tok = q_ref.shape[0]
     kd = q_ref.shape[2]
-    ring_len = rg_in.shape[2]
+    ring_len = rg_in.shape[-1]
+    # With a layer, the checkpoint and ring refs are the whole stacks [G, S1, ...] (no per-layer
+    # slice for XLA to copy): every access to them is prefixed with the static layer index.
+    lay = () if layer is None else (jnp.int32(layer),)
 
     vb, head_id, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     if group == "value_head":
@@ -262,11 +274,11 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             cols = c * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
             xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_k)[:, None], other=0.0)
             xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_q)[:, None], other=0.0)
-            xh = plgpu.load(rk_in.at[slot, kh, rec_j[:, None], cols], mask=rec_ok[:, None], other=0.0)
+            xh = plgpu.load(rk_in.at[(*lay, slot, kh, rec_j[:, None], cols)], mask=rec_ok[:, None], other=0.0)
             x = jnp.where(is_k[:, None], xk.astype(F32), jnp.where(is_q[:, None], xq.astype(F32),
                                                                     xh.astype(F32)))  # [2 half, BK]
             x_top, _ = jnp.split(x, 2, axis=0)                                          # [half, BK]
-            h0 = ckpt_ref[slot, hv, pl.ds(c * block_k, block_k), pl.ds(v0, block_v)]     # [BK, BV]
+            h0 = ckpt_ref[(*lay, slot, hv, pl.ds(c * block_k, block_k), pl.ds(v0, block_v))]     # [BK, BV]
             h0 = h0 if h0.dtype == BF16 else h0.astype(F32)
             s_acc += _dot(x, x_top, trans_b=True)
             hx += _dot(h0, x_top, trans_a=True, trans_b=True)
@@ -281,7 +293,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
 
         # History dots: h_m^T x = e^{G_m} h0^T x + sum_{j<m} e^{G_m - G_j} (k_j . x) u_j.
         # Gates are loaded here (masked: no traffic when m == 0); the record dot runs only if m > 0.
-        hg = plgpu.load(rg_in.at[slot, hv, :], mask=live, other=0.0).astype(F32)
+        hg = plgpu.load(rg_in.at[(*lay, slot, hv, slice(None))], mask=live, other=0.0).astype(F32)
         e_gm = jnp.exp(jnp.sum(hg))
         # e^{G_m - G_j} = e^{sum_{j<l<m} g_l}: a suffix sum, no cancellation.
         suffix = jnp.sum(jnp.where(j[None, :] > j[:, None], hg[None, :], 0.0), axis=1)
@@ -292,7 +304,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             ok = jh < m
             jh = jnp.where(ok, jh, 0)
             coef_h = jnp.sum(jnp.where(jh[:, None] == j[None, :], coef[None, :], 0.0), axis=1)  # [half]
-            at = (slot, hv, jh[:, None], vcols[None, :])
+            at = (*lay, slot, hv, jh[:, None], vcols[None, :])
             hu = plgpu.load(ru_in[0].at[at], mask=ok[:, None], other=0.0).astype(F32)            # [half, BV]
             if hilo:
                 hu = hu + plgpu.load(ru_in[1].at[at], mask=ok[:, None], other=0.0).astype(F32)
@@ -326,16 +338,16 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         rec = valid & (pos < ring_len)
         u_parts = _split(u) if hilo else (u,)
         for ref, part in zip(ru_out, u_parts):
-            plgpu.store(ref.at[slot, hv, pos[None, :], vcols[:, None]], part, mask=rec[None, :])
+            plgpu.store(ref.at[(*lay, slot, hv, pos[None, :], vcols[:, None])], part, mask=rec[None, :])
 
         @pl.when(vb == 0)
         def _gates():
-            plgpu.store(rg_out.at[slot, hv, pos], g, mask=rec)
+            plgpu.store(rg_out.at[(*lay, slot, hv, pos)], g, mask=rec)
 
         @pl.when((vb == 0) & (hv % ratio == 0))
         def _keys():   # one writer per key head
             xk = plgpu.load(k_ref.at[rows[:, None], kh, kcols[None, :]], mask=valid[:, None], other=0.0)
-            plgpu.store(rk_out.at[slot, kh, pos[:, None], kcols[None, :]], xk.astype(rk_out.dtype),
+            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], kcols[None, :])], xk.astype(rk_out.dtype),
                         mask=rec[:, None])
 
     def _verify_key_head(start, n, slot, rows, valid):
@@ -362,7 +374,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             kc = c * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
             xk = plgpu.load(k_ref.at[x_rows[:, None], kh, kc], mask=(tok_ok & is_k)[:, None], other=0.0)
             xq = plgpu.load(q_ref.at[x_rows[:, None], kh, kc], mask=(tok_ok & is_q)[:, None], other=0.0)
-            xh = plgpu.load(rk_in.at[slot, kh, rec_j[:, None], kc], mask=rec_ok[:, None], other=0.0)
+            xh = plgpu.load(rk_in.at[(*lay, slot, kh, rec_j[:, None], kc)], mask=rec_ok[:, None], other=0.0)
             x = jnp.where(is_k[:, None], xk.astype(F32), jnp.where(is_q[:, None], xq.astype(F32), xh.astype(F32)))
             x_top, _ = jnp.split(x, 2, axis=0)                                              # [half, BK]
             return s_acc + _dot(x, x_top, trans_b=True)
@@ -384,7 +396,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         @pl.when(vb == 0)
         def _keys():   # the key records, one writer per key head
             xw = plgpu.load(k_ref.at[rows[:, None], kh, cols], mask=valid[:, None], other=0.0)
-            plgpu.store(rk_out.at[slot, kh, pos[:, None], cols], xw.astype(rk_out.dtype), mask=rec[:, None])
+            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], cols)], xw.astype(rk_out.dtype), mask=rec[:, None])
 
         row, col = t[:, None], t[None, :]
         incl, strict = col <= row, col < row
@@ -398,13 +410,13 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         def load_head(j):
             here = j < ratio
             hv = kh * ratio + jnp.minimum(j, ratio - 1)
-            h0 = plgpu.load(ckpt_ref.at[slot, hv, :, pl.ds(v0, block_v)],
+            h0 = plgpu.load(ckpt_ref.at[(*lay, slot, hv, slice(None), pl.ds(v0, block_v))],
                             mask=jnp.broadcast_to(here, (kd, block_v)), other=0.0)              # [K, BV]
             vt = plgpu.load(v_ref.at[rows[None, :], hv, vcols[:, None]], mask=(valid & here)[None, :],
                             other=0.0)                                                        # [BV, T]
             g = plgpu.load(g_ref.at[rows, hv], mask=valid & here, other=0.0)
             beta = plgpu.load(beta_ref.at[rows, hv], mask=valid & here, other=0.0)
-            hg = plgpu.load(rg_in.at[slot, hv, jh_at], mask=live & here, other=0.0)           # [half]
+            hg = plgpu.load(rg_in.at[(*lay, slot, hv, jh_at)], mask=live & here, other=0.0)           # [half]
             return (h0, vt, g, beta, hg)
 
         def head(j, cur):
@@ -429,7 +441,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             # with m == 0 every record load is masked off (no traffic) and s_c is 0.
             suffix = jnp.sum(jnp.where(jh[None, :] > jh[:, None], hg[None, :], 0.0), axis=1)
             s_c = jnp.where(live[:, None], jnp.exp(suffix)[:, None] * s_hist, 0.0)            # [half, half]
-            at = (slot, hv, jh_at[:, None], vcols[None, :])
+            at = (*lay, slot, hv, jh_at[:, None], vcols[None, :])
             u_rec = [plgpu.load(part.at[at], mask=live[:, None], other=0.0) for part in ru_in]    # [half, BV]
             if not hilo:
                 u_rec = list(_split(u_rec[0]))
@@ -449,11 +461,11 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], o, mask=valid[None, :])
             u_parts = _split(u) if hilo else (u,)
             for ref, part in zip(ru_out, u_parts):
-                plgpu.store(ref.at[slot, hv, pos[None, :], vcols[:, None]], part, mask=rec[None, :])
+                plgpu.store(ref.at[(*lay, slot, hv, pos[None, :], vcols[:, None])], part, mask=rec[None, :])
 
             @pl.when(vb == 0)
             def _gates():
-                plgpu.store(rg_out.at[slot, hv, pos], g, mask=rec)
+                plgpu.store(rg_out.at[(*lay, slot, hv, pos)], g, mask=rec)
 
         if prefetch:
             def step(j, cur):
@@ -509,11 +521,12 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
 
 
 def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-               *, config: VerifyConfig | None = None, interpret: bool | None = None):
-    """Kernel version of `jaxspec.ops.gdn.gdn_verify` (same arguments and results).
+               *, config: VerifyConfig | None = None, interpret: bool | None = None, layer: int | None = None):
+    """Kernel version of `jaxspec.ops.gdn.gdn_verify` (same arguments and results, `layer` included).
 
     The ring arrays are aliased to the outputs (updated in place when the caller donates them;
-    entries other than the window's records are untouched).
+    entries other than the window's records are untouched). With `layer` the checkpoint and rings
+    are layer stacks, read and written in place at that layer.
     """
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -529,7 +542,7 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     kernel = functools.partial(
         _kernel, group=cfg.group, num_requests=num_requests, t_max=t_max, tt=tt, half=half, hilo=hilo,
         ratio=hv // h, block_v=block_v, block_k=min(cfg.block_k, kd), pad_rows=cfg.pad_rows,
-        prefetch=cfg.prefetch)
+        prefetch=cfg.prefetch, layer=layer)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     inputs = (i32(query_start_loc), i32(slots), i32(write_pos), q, k, v, g, beta, ckpt, ring_k, *parts, ring_g)
     first_ring = 9
