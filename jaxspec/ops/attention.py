@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxspec.ops import packing
 from jaxspec.ops.dispatch import use_kernel
+from jaxspec.pallas import attention_verify as attention_verify_kernel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -54,15 +55,23 @@ def kv_write(k_cache, v_cache, k, v, seq_lens, query_start_loc, slots, layer=Non
             v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
 
 
-def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *, impl="auto"):
+def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *, layer=None, impl="auto"):
     """Window attention against the cache. q [N, Hq, D]; caches [S1, M, KVH, D]; seq_lens [S1]
     (committed tokens before the window); query_start_loc [B+1]; slots [B]; t_max static
     -> o [N, Hq, D] in q.dtype.
 
     Window token t of request r sits at position p = seq_lens[slots[r]] + t and reads cache
-    positions 0..p. Padding rows and slot-0 requests output 0.
+    positions 0..p. Padding rows and slot-0 requests output 0. With `layer` (a static int) the
+    caches are the layer stacks [A, S1, M, KVH, D] and that layer is read: the kernel reads the
+    stack in place (a layer slice handed to a kernel is a copy of the whole layer cache).
     """
-    use_kernel("attention_verify", impl, None)
+    if use_kernel("attention_verify", impl,
+                  lambda: attention_verify_kernel.supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots,
+                                                           t_max, layer)):
+        return attention_verify_kernel.attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max,
+                                                        layer=layer)
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     qp, valid = packing.to_padded(q, query_start_loc, t_max)                            # [B, T, Hq, D]
     valid = valid & (slots > 0)[:, None]
     last = seq_lens[slots][:, None] + jnp.arange(t_max)[None, :]                          # [B, T]

@@ -1,0 +1,307 @@
+"""Benchmark of the verify attention kernel (jaxspec/pallas/attention_verify.py) against XLA.
+
+Shapes: batch 1, 8, 64, 128 x context 1k, 4k, 32k; T = 8 queries per request (every request full,
+no padding), 24 q heads / 4 kv heads, D = 256, bf16 (Qwen3.5/3.6 gated attention at TP1). Every
+request's slot holds `context` committed tokens, so its window reads n = context + 8 keys; the
+cache is only as long as needed, M = context + 16.
+
+Per shape:
+* kernel: `attention_verify` (the default config; split + merge where it splits);
+* ref: the jnp reference (`impl="ref"`) under jit, i.e. what XLA makes of the contract (skipped
+  where its float32 repeat of K/V would not fit, > --ref-mem-gb);
+* dpa xla / dpa cudnn: `jax.nn.dot_product_attention` on the padded equivalent, q [B, 8, 24, 256]
+  against the per-request caches [B, M, 4, 256] with key_value_seq_lengths = n (no in-window causal
+  mask: the same bytes and flops, a slightly easier problem); "–" where the implementation refuses.
+* floor = bytes of K and V that must be read (B * n * 4 heads * 256 * 2 bytes * 2) / copy bandwidth
+  measured in the same run (the best of a jitted elementwise pass over 1 GiB, read + write counted,
+  and, when `--torch-copy` ran first in its own process, a torch device-to-device copy).
+
+Timing: jitted functions, CUDA-synchronised (jax.block_until_ready), median over reps of the wall
+time per call. Where one cache set is smaller than --min-set-mb, R distinct sets (copies) are cycled
+inside one jitted function (R calls per dispatch, no CSE possible), so that the working set exceeds
+the 60 MB L2 where memory allows and small kernels are not measured as Python dispatch; otherwise
+`inner` calls are dispatched back to back and synchronised once (kernels >= 100 us). Each kernel
+result is checked against the reference (or dpa where the reference is skipped) in the same run.
+
+`--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes.
+
+Usage (GPU machine):
+  python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/attention_kernel.py --out $OUT [--sweep]
+  python3 bench/attention_kernel.py --smoke                         (CPU, interpret mode, tiny shapes)
+Writes DIR/attention_bench.json and DIR/attention_bench.md (DIR = --out, default $OUT or bench/out).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the most informative shapes first (a budget cut keeps them)
+DEFAULT_ORDER = [(64, 4096), (1, 32768), (8, 4096), (128, 4096), (8, 32768), (1, 4096), (64, 32768),
+                 (128, 32768), (1, 1024), (8, 1024), (64, 1024), (128, 1024)]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
+    ap.add_argument("--shapes", default=None, help="B:ctx,B:ctx,... (default: the 12 shapes, informative first)")
+    ap.add_argument("--T", type=int, default=8)
+    ap.add_argument("--hq", type=int, default=24)
+    ap.add_argument("--kvh", type=int, default=4)
+    ap.add_argument("--D", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=5)
+    ap.add_argument("--xla-reps", type=int, default=5)
+    ap.add_argument("--min-set-mb", type=float, default=512.0)
+    ap.add_argument("--max-sets", type=int, default=16)
+    ap.add_argument("--ref-mem-gb", type=float, default=40.0)
+    ap.add_argument("--no-xla", action="store_true", help="skip the reference and dot_product_attention")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
+    ap.add_argument("--torch-copy", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if args.shapes:
+        args.shape_list = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    else:
+        args.shape_list = DEFAULT_ORDER
+    if args.smoke:
+        args.shape_list, args.reps, args.inner, args.xla_reps = [(2, 40), (1, 300)], 2, 1, 1
+        args.hq, args.kvh, args.D, args.min_set_mb = 6, 2, 32, 0.0
+    return args
+
+
+def main(args):
+    if args.smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxspec.ops.attention import attention_verify as op_verify
+    from jaxspec.pallas import attention_verify as pav
+
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    dev = jax.devices()[0]
+    on_gpu = jax.default_backend() == "gpu"
+    T, Hq, KVH, D = args.T, args.hq, args.kvh, args.D
+    dt = jnp.bfloat16
+    isz = 2
+
+    def over_budget():
+        return time.time() - t_start > args.budget_s
+
+    def timed(fn, *a, reps=None, inner=None, per_call=1):
+        reps, inner = reps or args.reps, inner or args.inner
+        out = fn(*a)
+        jax.block_until_ready(out)
+        jax.block_until_ready(fn(*a))
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(inner):
+                out = fn(*a)
+            jax.block_until_ready(out)
+            ts.append((time.perf_counter() - t) / (inner * per_call))
+        return statistics.median(ts) * 1e6, out
+
+    # ---- copy bandwidth, same run
+    nbw = (1 << 28) if on_gpu else (1 << 20)
+    big = jax.random.normal(jax.random.key(1), (nbw,), jnp.float32)
+    copies = {}
+    for name, f in (("jax x+1", jax.jit(lambda x: x + 1.0)), ("jax -x", jax.jit(lambda x: -x))):
+        us, _ = timed(f, big, reps=10, inner=3)
+        copies[name] = 2 * big.nbytes / (us * 1e-6)
+    if torch_bw := benchutil.read_torch_copy(args.out):
+        copies["torch copy"] = torch_bw
+    bw_src, bw = max(copies.items(), key=lambda kv: kv[1])
+    del big
+    print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
+          + f"; floors use {bw_src}", flush=True)
+
+    results, sweep = [], []
+
+    def make_sets(B, ctx, n_sets, key):
+        M = ctx + 16
+        sets = []
+        for i in range(n_sets):
+            ks = jax.random.split(jax.random.fold_in(key, i), 3)
+            q = jax.random.normal(ks[0], (B * T, Hq, D), dt)
+            kc = jax.random.normal(ks[1], (B + 1, M, KVH, D), dt)
+            vc = jax.random.normal(ks[2], (B + 1, M, KVH, D), dt)
+            sets.append((q, kc, vc))
+        seq = jnp.full((B + 1,), ctx, jnp.int32)
+        qsl = jnp.arange(B + 1, dtype=jnp.int32) * T
+        slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+        return sets, seq, qsl, slots
+
+    def run_multi(f, sets, rest, reps=None):
+        """Median us per call of f over the cycled sets (one dispatch per len(sets) calls)."""
+        if len(sets) == 1:
+            g = jax.jit(lambda s: f(*s, *rest))
+            return timed(g, sets[0], reps=reps)
+        g = jax.jit(lambda ss: [f(*s, *rest) for s in ss])
+        us, outs = timed(g, sets, reps=reps, inner=1, per_call=len(sets))
+        return us, outs[0]
+
+    def err(a, b):
+        a = np.asarray(jnp.asarray(a, jnp.float32))
+        b = np.asarray(jnp.asarray(b, jnp.float32))
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+    def dump():
+        summary = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                       copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src,
+                       T=T, Hq=Hq, KVH=KVH, D=D, smoke=args.smoke, results=results, sweep=sweep)
+        with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
+        lines = [f"# verify attention kernel, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+                 + (" — SMOKE (CPU interpret, tiny shapes: no meaning as timings)" if args.smoke else ""), "",
+                 f"T {T}, {Hq} q / {KVH} kv heads, D {D}, bf16, every request full, M = context + 16. "
+                 "Copy bandwidth (same run): " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
+                 + f". floor = K+V bytes read / {bw_src}. sets = cache copies cycled per timing.", "",
+                 "| batch | context | splits | sets | kernel µs | floor µs | kernel/floor | ref (XLA) µs | dpa xla µs "
+                 "| dpa cudnn µs | × vs ref | × vs dpa xla | × vs cudnn | err vs ref | ok |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            x = lambda k: r[k] / r["kernel_us"] if r.get(k) and r.get("kernel_us") else None
+            lines.append(
+                f"| {r['B']} | {r['ctx']} | {r['splits']} | {r['sets']} | {fmt(r['kernel_us'])} "
+                f"| {fmt(r['floor_us'])} | {fmt(r['floor_ratio'], 2)} | {fmt(r['ref_us'])} | {fmt(r['dpa_xla_us'])} "
+                f"| {fmt(r['dpa_cudnn_us'])} "
+                f"| {fmt(x('ref_us'), 2)} | {fmt(x('dpa_xla_us'), 2)} | {fmt(x('dpa_cudnn_us'), 2)} "
+                f"| {fmt(r['err'], 4) if r['err'] is not None else '–'} | {r['ok']} |")
+        if sweep:
+            lines += ["", "Config sweep (kernel µs; kernel/floor).", "",
+                      "| batch | context | config | splits | kernel µs | kernel/floor | err | note |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for r in sweep:
+                lines.append(f"| {r['B']} | {r['ctx']} | {r['config']} | {r.get('splits', '–')} "
+                             f"| {fmt(r.get('kernel_us'))} | {fmt(r.get('floor_ratio'), 2)} "
+                             f"| {fmt(r.get('err'), 4) if r.get('err') is not None else '–'} | {r.get('note', '')} |")
+        with open(os.path.join(args.out, "attention_bench.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return lines
+
+    def kernel_fn(config=None):
+        return lambda q, kc, vc, seq, qsl, slots: pav.attention_verify(q, kc, vc, seq, qsl, slots, T, config=config)
+
+    def ref_fn(q, kc, vc, seq, qsl, slots):
+        return op_verify(q, kc, vc, seq, qsl, slots, T, impl="ref")
+
+    def dpa_fn(impl, n_keys):
+        """q [B, T, Hq, D] against the per-request caches [B, M, KVH, D] (sliced outside the timing)."""
+        def f(q, k, v):
+            kv_len = jnp.full((q.shape[0],), n_keys, jnp.int32)
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation=impl)
+        return f
+
+    for (B, ctx) in args.shape_list:
+        if over_budget():
+            print(f"budget: stop before B{B} ctx{ctx}", flush=True)
+            break
+        M = ctx + 16
+        n_keys = ctx + T
+        cache_bytes = 2 * (B + 1) * M * KVH * D * isz
+        floor_bytes = 2 * B * n_keys * KVH * D * isz
+        n_sets = max(1, min(args.max_sets, math.ceil(args.min_set_mb * 2**20 / cache_bytes)))
+        row = dict(B=B, ctx=ctx, M=M, sets=n_sets, floor_bytes=floor_bytes, floor_us=floor_bytes / bw * 1e6,
+                   kernel_us=None, floor_ratio=None, ref_us=None, dpa_xla_us=None, dpa_cudnn_us=None, err=None,
+                   ok=False, splits=None)
+        try:
+            sets, seq, qsl, slots = make_sets(B, ctx, n_sets, jax.random.key(B * 100003 + ctx))
+            rest = (seq, qsl, slots)
+            rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
+            row["splits"] = pav.AttentionVerifyConfig().resolve(B, KVH, M, rows, D, dt)["num_splits"]
+            kus, out = run_multi(kernel_fn(), sets, rest)
+            row.update(kernel_us=kus, floor_ratio=kus / row["floor_us"])
+            print(f"B{B} ctx{ctx}: kernel {kus:.1f} us (floor {row['floor_us']:.1f})", flush=True)
+            check_against = None
+            ref_mem = 2 * B * M * Hq * D * 4 + B * Hq * T * M * 4 * 3
+            if not args.no_xla and ref_mem < args.ref_mem_gb * 2**30 and not over_budget():
+                try:
+                    rus, rout = run_multi(ref_fn, sets[:1], rest, reps=args.xla_reps)
+                    row["ref_us"] = rus
+                    check_against = rout
+                except Exception as e:
+                    print(f"ref failed: {repr(e)[:300]}", flush=True)
+            if not args.no_xla and not over_budget():
+                q, kc, vc = sets[0]
+                dpa_set = [(q.reshape(B, T, Hq, D), kc[1:], vc[1:])]
+                for impl in ("xla", "cudnn") if on_gpu else ("xla",):
+                    try:
+                        dus, _ = run_multi(dpa_fn(impl, n_keys), dpa_set, (), reps=args.xla_reps)
+                        row[f"dpa_{impl}_us"] = dus
+                    except Exception as e:
+                        print(f"dpa {impl} failed: {repr(e)[:300]}", flush=True)
+                del dpa_set, q, kc, vc
+            if check_against is None:
+                check_against = jax.jit(ref_fn)(*sets[0], *rest) if ref_mem < args.ref_mem_gb * 2**30 else None
+            if check_against is not None:
+                row["err"] = err(out, check_against)
+                row["ok"] = row["err"] < 2e-2
+            else:                                    # too big for the reference: check 2 requests of it
+                q, kc, vc = sets[0]
+                sub = jnp.array([0, B - 1], jnp.int32)
+                idx = (sub[:, None] * T + jnp.arange(T)[None, :]).reshape(-1)
+                sub_ref = op_verify(q[idx], kc, vc, seq, jnp.arange(3, dtype=jnp.int32) * T, slots[sub], T, impl="ref")
+                row["err"] = err(out[idx], sub_ref)
+                row["ok"] = row["err"] < 2e-2
+            del sets
+        except Exception as e:
+            traceback.print_exc()
+            row["note"] = repr(e)[:300]
+        results.append(row)
+        print(dump()[-1], flush=True)
+
+    if args.sweep and not over_budget():
+        cfgs = [dict(block_k=32), dict(block_k=32, num_stages=3), dict(block_k=64, num_stages=3),
+                dict(block_k=128, num_stages=2), dict(num_warps=4), dict(block_k=32, num_warps=4, num_stages=3),
+                dict(target_programs=264), dict(target_programs=264, block_k=32, num_stages=3),
+                dict(min_split=1024)]
+        shapes = [(64, 4096), (1, 32768), (8, 4096)] if not args.smoke else [(2, 40)]
+        for (B, ctx) in shapes:
+            M = ctx + 16
+            floor_us = 2 * B * (ctx + T) * KVH * D * isz / bw * 1e6
+            cache_bytes = 2 * (B + 1) * M * KVH * D * isz
+            n_sets = max(1, min(args.max_sets, math.ceil(args.min_set_mb * 2**20 / cache_bytes)))
+            sets, seq, qsl, slots = make_sets(B, ctx, n_sets, jax.random.key(7))
+            rest = (seq, qsl, slots)
+            base = jax.jit(kernel_fn())(*sets[0], *rest)
+            for cfg in cfgs:
+                if over_budget():
+                    break
+                rec = dict(B=B, ctx=ctx, config=cfg)
+                try:
+                    c = pav.AttentionVerifyConfig(**cfg)
+                    rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
+                    rec["splits"] = c.resolve(B, KVH, M, rows, D, dt)["num_splits"]
+                    kus, out = run_multi(kernel_fn(c), sets, rest)
+                    rec.update(kernel_us=kus, floor_ratio=kus / floor_us, err=err(out, base))
+                except Exception as e:
+                    rec["note"] = repr(e)[:200].replace("|", "/")
+                sweep.append(rec)
+                print(dump()[-1], flush=True)
+            del sets
+
+    lines = dump()
+    print("\n".join(lines), flush=True)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    a = parse()
+    if a.torch_copy:
+        benchutil.torch_copy_bandwidth(a.out)
+        sys.exit(0)
+    sys.exit(main(a))

@@ -1,0 +1,449 @@
+"""Pallas (Triton lowering) kernel for verify attention: packed ragged windows against the slot KV cache.
+
+Contract: `jaxspec.ops.attention.attention_verify` (its jnp reference, `impl="ref"`, is the semantics):
+q [N, Hq, D] packed (request r owns rows query_start_loc[r] : query_start_loc[r+1], 1..t_max of
+them); caches [S1, M, KVH, D]; window token t of request r sits at position p = seq_lens[slots[r]] + t
+and reads cache positions 0..p (all of 0..M-1 when p >= M); query head h reads kv head h // (Hq/KVH);
+scale D^-1/2, softmax in float32; padding rows (>= query_start_loc[B]) and slot-0 requests output 0.
+
+Design (flash decoding)
+-----------------------
+Verify attention is a read of the KV cache: T (<= 16) queries per head against thousands of keys,
+~8 flop per KV byte at T = 8, GQA 6. So the kernel is built to read each request's K and V once
+and to keep every SM streaming:
+
+* Row stack. One program owns one (request, kv head) pair and stacks ALL its queries that read
+  that kv head, i.e. every window token t and every q head j of the GQA group, as the rows of one
+  tile: row i = t * rep + j (rep = Hq / KVH), R = next_pow2(t_max * rep) >= 16 rows (T 8, GQA 6:
+  48 real rows in a 64-row tile). The K/V of a kv head is then read once for its rep q heads,
+  and the two dots per key block, S = Q K^T [R, block_k] and O += P V [R, D], have M = R >= 64
+  at the benchmark shape: Hopper's warpgroup MMA, fp32 accumulation. q is read with a gather
+  (row -> (token, head)) and o written with a scatter, both masked to the real rows.
+* Split KV. Grid (B, KVH, num_splits): program s covers keys [s * chunk, min((s+1) * chunk, n))
+  of the request, n = min(seq_len + len, M) the keys that exist (nothing past the request's last
+  position is read: the loop bound comes from seq_lens, not from M). chunk is computed in the
+  kernel per request: cdiv(n, num_splits) rounded up to block_k, at least `min_split` keys, so a
+  short context uses fewer, fuller splits, and a program whose split is empty exits at once.
+  num_splits (static) = 132 // (B * KVH), at least 1: with one resident program per SM (the K/V
+  pipeline buffers take ~160 KB of shared memory at D 256) B * KVH * num_splits <= 132 programs
+  is one full wave (batch 1: 33 splits, batch 8: 4, batch >= 33: 1, where the kernel writes o).
+* Online softmax in the log2 domain (scores * D^-1/2 * log2 e, exp2), float32 m, l and
+  accumulator in registers; every key block is masked: keys >= the split's end (this also masks
+  blocks that overhang M: the Triton lowering does not) are not loaded (zeros) and score -inf, and
+  the causal mask key <= p applies per row. m starts at -1e30 (finite), so a row with no visible
+  key yet gets p = exp2(-inf - m) = 0 and no NaN.
+* num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (float32) and
+  lse_s = m + log2 l [R] for the real rows; a second kernel, grid (B, KVH, row tiles x column
+  tiles), loads every split's lse and o of its [rows, columns] tile at once (one masked 3-D load,
+  [pow2(num_splits), rows, cols] of ~8192 values: all of them in flight together, no serial loop
+  over splits), and writes o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max) packed; empty
+  splits are masked out (lse = -1e30, weight 0).
+* Whichever kernel writes the output (the main one when num_splits == 1, else the combine) also
+  writes its zeros: the rows of slot-0 requests, and the padding rows [query_start_loc[B], N),
+  which are split evenly over the B programs of each kv head (no zero-fill pass over o, no extra
+  programs). Every element of o is written exactly once.
+
+Numerics: bf16 inputs (the benchmark case): bf16 x bf16 MMAs with fp32 accumulation, P rounded to
+bf16 for the P V dot (as flash attention does). fp32 inputs: both dots at precision=HIGHEST (IEEE
+fp32 on the CUDA cores: exact to fp32 rounding, but far slower than the tensor cores; fp32 is the
+small-model / test case, not the fast path). Triton's CUDA-core dot holds a whole K extent of each
+operand per thread in registers, so the fp32 dots are cut into 32-column head-dim chunks (block_d)
+and q is re-read (L1/L2) inside the key loop instead of pinned in registers. q, k and v must share
+one dtype (supports() says so).
+
+Assumed (the packed layout guarantees it): query_start_loc[0] == 0, non-decreasing, each length
+<= t_max, query_start_loc[B] <= N; slots in [0, S1).
+
+Triton-lowering notes: every access is a masked load/store over a power-of-two block (key tail,
+head-dim tail when D is not a power of two, rows past the window); refs are whole arrays (no
+BlockSpec), offsets computed in the kernel. Gathers/scatters use all-array indexers (interpret
+mode supports array indexers only when no slice is mixed in); masked scatter lanes point past the
+array so that interpret mode drops them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
+MAX_ROWS = 128            # rows of the stacked (token, q head) tile: t_max * Hq/KVH <= 128
+MAX_TILE = 128 * 256      # R * D (padded) <= 32768: the fp32 accumulator lives in registers
+MAX_D = 256
+NUM_SMS = 132             # H200
+NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
+LOG2E = 1.4426950408889634
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVerifyConfig:
+    """Tile sizes and launch parameters of the verify attention kernel.
+
+    block_k: keys per step of a program's loop (power of two, 16..256). None: 64 for bf16 (the
+      K and V blocks are 64 KB at D 256: two pipeline stages plus the q tile fit the 227 KB of
+      shared memory), 16 for fp32.
+    block_d: head-dim chunk of the main kernel's dots (power of two, 16..256). None: the whole
+      (padded) D for bf16 (one tensor-core MMA with K = D), 32 for fp32: the fp32 dots
+      (precision=HIGHEST) run on the CUDA cores, where Triton holds a whole K extent of each
+      operand per thread in registers, so they are chunked over D, and q is re-read (from L1/L2)
+      inside the key loop rather than pinned in registers.
+    num_splits: KV splits per (request, kv head), 1..512. None: target_programs // (B * KVH),
+      at least 1, at most the number of min_split chunks of M. With one resident program per
+      SM (shared memory), B * KVH * num_splits <= 132 is one full wave (batch 1: 33 splits,
+      batch 8: 4, batch >= 33: 1, where the main kernel writes o itself).
+    min_split: the fewest keys a split covers (a power of two >= 16, rounded up to block_k): a
+      short context is cut into fewer, fuller pieces (fewer partials to merge).
+    target_programs: programs the split aims at (>= 1): one per H200 SM by default.
+    num_warps: warps of the main kernel (1, 2, 4, 8 or 16). None: R * D / 2048 clipped to 4..16
+      (the fp32 accumulator is R * D / (32 * num_warps) registers a thread: 64 at 8 warps for the
+      64 x 256 tile of the benchmark shape).
+    num_stages: Triton software-pipelining depth of the key loop (1..4). None: 2 for bf16 (the
+      next K/V block is in flight while this one is multiplied), 1 for fp32.
+    combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
+    combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
+    """
+    block_k: int | None = None
+    block_d: int | None = None
+    num_splits: int | None = None
+    min_split: int = 256
+    target_programs: int = NUM_SMS
+    num_warps: int | None = None
+    num_stages: int | None = None
+    combine_block_d: int = 64
+    combine_warps: int = 4
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field in ("block_k", "block_d"):
+            val = getattr(self, field)
+            if val is not None and not (_pow2(val) and 16 <= val <= 256):
+                raise ValueError(f"{name}.{field}={val!r}: must be a power of two in [16, 256]")
+        if self.num_splits is not None and not (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 512):
+            raise ValueError(f"{name}.num_splits={self.num_splits!r}: must be an integer in [1, 512]")
+        if not (_pow2(self.min_split) and self.min_split >= 16):
+            raise ValueError(f"{name}.min_split={self.min_split!r}: must be a power of two >= 16")
+        if not (isinstance(self.target_programs, int) and self.target_programs >= 1):
+            raise ValueError(f"{name}.target_programs={self.target_programs!r}: must be an integer >= 1")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
+        if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 4):
+            raise ValueError(f"{name}.num_stages={self.num_stages!r}: must be an integer in [1, 4]")
+        if not (_pow2(self.combine_block_d) and 16 <= self.combine_block_d <= 256):
+            raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
+        if self.combine_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
+
+    def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
+        """The launch plan of a call (all static)."""
+        f32 = jnp.dtype(dtype) == jnp.dtype(F32)
+        d_pad = max(16, _next_pow2(d))
+        block_k = min(self.block_k or (16 if f32 else 64), max(16, _next_pow2(max_len)))
+        block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
+        if block_d < d_pad and d % block_d:
+            # chunks must not overhang D (static slices); else the largest power of two dividing D
+            block_d = d & -d if (d & -d) >= 16 else d_pad
+        min_split = max(self.min_split, block_k)
+        num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
+        num_splits = max(1, min(num_splits, pl.cdiv(max_len, min_split)))
+        num_warps = self.num_warps or min(16, max(4, rows * d_pad // 2048))
+        num_stages = self.num_stages or (1 if f32 else 2)
+        # split-merge tiles: [splits (pow2), rows, columns] of ~8192 fp32 values per program
+        combine_d = min(self.combine_block_d, d_pad)
+        combine_rows = max(1, min(rows, 8192 // (_next_pow2(num_splits) * combine_d)))
+        return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
+                    num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
+                    combine_rows=combine_rows, combine_warps=self.combine_warps)
+
+
+def _geometry(q_shape, k_shape, t_max):
+    """(rep, rows R, padded head dim) of a call."""
+    hq, d = q_shape[1], q_shape[2]
+    rep = hq // k_shape[2]
+    return rep, max(16, _next_pow2(t_max * rep)), max(16, _next_pow2(d))
+
+
+def supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer=None) -> bool:
+    """Shapes and dtypes the kernel covers (see jaxspec.ops.attention.attention_verify).
+
+    q, k_cache and v_cache share one dtype, bfloat16 or float32; D <= 256; Hq a multiple of KVH;
+    t_max * Hq / KVH <= 128 rows, and rows (padded) x D (padded) <= 32768 (registers). With
+    `layer` (a static int) the caches are layer stacks [A, S1, M, KVH, D]."""
+    try:
+        if layer is not None:
+            if not (isinstance(layer, int) and len(k_cache.shape) == 5 and 0 <= layer < k_cache.shape[0]
+                    and tuple(v_cache.shape) == tuple(k_cache.shape)):
+                return False
+            k_cache = v_cache = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
+        if q.ndim != 3 or k_cache.ndim != 4 or slots.ndim != 1:
+            return False
+        n, hq, d = q.shape
+        s1, m, kvh, dk = k_cache.shape
+        b = slots.shape[0]
+        if not (isinstance(t_max, int) and t_max >= 1 and kvh >= 1 and hq % kvh == 0):
+            return False
+        _, rows, d_pad = _geometry(q.shape, k_cache.shape, t_max)
+        return bool(
+            n >= 1 and b >= 1 and s1 >= 1 and m >= 1 and 1 <= d <= MAX_D and dk == d
+            and tuple(v_cache.shape) == tuple(k_cache.shape)
+            and seq_lens.shape == (s1,) and query_start_loc.shape == (b + 1,)
+            and t_max * (hq // kvh) <= MAX_ROWS and rows * d_pad <= MAX_TILE
+            and jnp.dtype(q.dtype) in _DTYPES
+            and jnp.dtype(k_cache.dtype) == jnp.dtype(q.dtype) and jnp.dtype(v_cache.dtype) == jnp.dtype(q.dtype)
+            and jnp.issubdtype(seq_lens.dtype, jnp.integer)
+            and jnp.issubdtype(query_start_loc.dtype, jnp.integer)
+            and jnp.issubdtype(slots.dtype, jnp.integer)
+        )
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel helpers
+
+
+def _request(qsl_ref, slots_ref, r):
+    start = qsl_ref[r]
+    return start, qsl_ref[r + 1] - start, slots_ref[r]
+
+
+def _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split):
+    """(n keys that exist, keys per split) of a request: the split length adapts to the context."""
+    n = jnp.minimum(seq_lens_ref[slot] + length, max_len)
+    chunk = pl.cdiv(pl.cdiv(n, num_splits), block_k) * block_k
+    return n, jnp.maximum(chunk, min_split)
+
+
+def _row_map(i, rep, t_max, g):
+    """Window token t, q head and in-window flag of tile rows i = t * rep + j of kv head g."""
+    return i // rep, g * rep + i % rep, i < t_max * rep
+
+
+def _write_rows(o_ref, vals, start, tok, head, valid, cols, cmask):
+    """o[start + tok, head, cols] = vals on valid rows (masked lanes point past the array)."""
+    n_tok = o_ref.shape[0]
+    tok = jnp.where(valid, start + tok, n_tok)
+    plgpu.store(o_ref.at[tok[:, None], head[:, None], cols[None, :]], vals.astype(o_ref.dtype),
+                mask=valid[:, None] & cmask[None, :])
+
+
+def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmask):
+    """Zeros on this program's share of the padding rows [qsl[B], N), q heads of kv head g.
+
+    The share of program p (one per request) is tokens [pad0 + p*k, pad0 + (p+1)*k), k =
+    cdiv(N - pad0, B), written pair_rows (token, head) pairs at a time."""
+    n_tok = o_ref.shape[0]
+    pad0 = jnp.minimum(qsl_ref[num_requests], n_tok)
+    share = pl.cdiv(n_tok - pad0, num_requests)
+    lo = pad0 + p * share
+    pairs = (jnp.minimum(lo + share, n_tok) - lo) * rep
+    zeros = jnp.zeros((pair_rows, cols.shape[0]), o_ref.dtype)
+
+    def body(c, carry):
+        pair = c * pair_rows + jnp.arange(pair_rows, dtype=jnp.int32)
+        _write_rows(o_ref, zeros, lo, pair // rep, g * rep + pair % rep, pair < pairs, cols, cmask)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(pairs, pair_rows), body, 0)    # pairs <= 0: no iteration
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
+                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer):
+    r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    max_len = k_ref.shape[-3]
+    # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
+    lay = () if layer is None else (jnp.int32(layer),)
+    start, length, slot = _request(qsl_ref, slots_ref, r)
+    tok, head, in_win = _row_map(jnp.arange(rows, dtype=jnp.int32), rep, t_max, g)
+    valid = in_win & (tok < length)
+    f32_dots = q_ref.dtype == jnp.float32
+    precision = jax.lax.Precision.HIGHEST if f32_dots else None
+    # head-dim chunks of the dots: whole chunks inside D, or one chunk of d_pad (masked tail)
+    chunks = [c * block_d + jnp.arange(block_d, dtype=jnp.int32) for c in range(pl.cdiv(d, block_d))]
+    cmasks = [cols < d for cols in chunks]
+    tail = len(chunks) * block_d != d                                   # one chunk, masked
+
+    n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
+    lo = s * chunk
+    hi = jnp.minimum(lo + chunk, n)
+
+    @pl.when((slot > 0) & (length > 0) & (lo < n))
+    def _():
+        q_tok = jnp.where(valid, start + tok, 0)
+
+        def load_q():                                                    # [R, block_d] per chunk
+            return [plgpu.load(q_ref.at[q_tok[:, None], head[:, None], cols[None, :]],
+                               mask=valid[:, None] & cm[None, :], other=0) for cols, cm in zip(chunks, cmasks)]
+
+        q_in = None if f32_dots else load_q()
+        pos = seq_lens_ref[slot] + tok                                   # [R] query positions
+
+        def body(b, carry):
+            accs, m, l = carry
+            qs = q_in if q_in is not None else load_q()
+            k0 = lo + b * block_k
+            keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            live = keys < hi                                             # split end, and M
+            sc, vbs = None, []
+            for c, (cols, cm) in enumerate(zip(chunks, cmasks)):
+                kmask = live[:, None] & cm[None, :] if tail else live[:, None]
+                at = (*lay, slot, pl.ds(k0, block_k), g, pl.ds(c * block_d, block_d))
+                kb = plgpu.load(k_ref.at[at], mask=kmask, other=0)
+                vbs.append(plgpu.load(v_ref.at[at], mask=kmask, other=0))
+                part = plgpu.dot(qs[c], kb, trans_b=True, precision=precision)
+                sc = part if sc is None else sc + part
+            sc = sc * scale                                              # [R, block_k] f32, log2 units
+            sc = jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            pv = p.astype(vbs[0].dtype)
+            accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, vb, precision=precision)
+                         for acc, vb in zip(accs, vbs))
+            return accs, m_new, l
+
+        init = (tuple(jnp.zeros((rows, block_d), F32) for _ in chunks),
+                jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+        accs, m, l = jax.lax.fori_loop(0, pl.cdiv(hi - lo, block_k), body, init)
+        inv = 1.0 / jnp.where(l > 0, l, 1.0)
+        if final:
+            for acc, cols, cm in zip(accs, chunks, cmasks):
+                _write_rows(refs[-1], acc * inv[:, None], start, tok, head, valid, cols, cm)
+        else:
+            opart_ref, lse_ref = refs[-2:]
+            for c, acc in enumerate(accs):
+                plgpu.store(opart_ref.at[r, g, s, pl.ds(0, rows), pl.ds(c * block_d, block_d)],
+                            acc * inv[:, None], mask=valid[:, None])
+            lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), NEG)
+            plgpu.store(lse_ref.at[r, g, s, pl.ds(0, rows)], lse, mask=valid)
+
+    if final:
+        o_ref = refs[-1]
+
+        @pl.when((slot == 0) & (length > 0))
+        def _():
+            for cols, cm in zip(chunks, cmasks):
+                _write_rows(o_ref, jnp.zeros((rows, block_d), o_ref.dtype), start, tok, head, valid, cols, cm)
+
+        for cols, cm in zip(chunks, cmasks):
+            _zero_padding(o_ref, qsl_ref, r, num_requests, g, rep, rows, cols, cm)
+
+
+def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs, num_requests, t_max,
+                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len):
+    """Merge the splits of rows [i0, i0 + combine_rows) x columns [c0, c0 + combine_d) of one
+    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols])."""
+    o_ref = refs[-1]
+    r, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    col_tiles = pl.cdiv(d, combine_d)
+    i0 = (t // col_tiles) * combine_rows
+    c0 = (t % col_tiles) * combine_d
+    start, length, slot = _request(qsl_ref, slots_ref, r)
+    tok, head, in_win = _row_map(i0 + jnp.arange(combine_rows, dtype=jnp.int32), rep, t_max, g)
+    valid = in_win & (tok < length)
+    cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
+    cmask = cols < d
+    s_pad = _next_pow2(num_splits)
+
+    @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
+    def _():
+        n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
+        live = (jnp.arange(s_pad, dtype=jnp.int32) < pl.cdiv(n, chunk))[:, None] & valid[None, :]
+        lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows)], mask=live, other=NEG)
+        o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
+                         mask=live[:, :, None] & cmask[None, None, :], other=0)
+        w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])               # [splits, rows]; 0 for empty splits
+        o = jnp.sum(w[:, :, None] * o_s, axis=0) / jnp.sum(w, axis=0)[:, None]
+        _write_rows(o_ref, o, start, tok, head, valid, cols, cmask)
+
+    @pl.when((slot == 0) & (length > 0))
+    def _():
+        _write_rows(o_ref, jnp.zeros((combine_rows, combine_d), o_ref.dtype), start, tok, head, valid, cols, cmask)
+
+    @pl.when(i0 == 0)
+    def _():
+        _zero_padding(o_ref, qsl_ref, r, num_requests, g, rep, rows, cols, cmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper
+
+
+def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *,
+                     config: AttentionVerifyConfig | None = None, interpret: bool | None = None,
+                     o_buffer=None, layer: int | None = None):
+    """Verify attention; same contract as jaxspec.ops.attention.attention_verify.
+
+    q [N, Hq, D]; k_cache, v_cache [S1, M, KVH, D], or layer stacks [A, S1, M, KVH, D] with
+    `layer` the static index to read; seq_lens [S1]; query_start_loc [B+1]; slots [B]; t_max
+    static -> o [N, Hq, D] in q.dtype.
+    o_buffer: optional [N, Hq, D] array of q.dtype aliased to o; every element is overwritten
+    (tests pass a NaN-filled one to prove it).
+    """
+    if not supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer):
+        raise ValueError("attention_verify kernel: unsupported shapes/dtypes "
+                         f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, "
+                         f"v_cache {v_cache.shape} {v_cache.dtype}, seq_lens {seq_lens.shape}, "
+                         f"query_start_loc {query_start_loc.shape}, slots {slots.shape}, t_max {t_max!r}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    config = config or AttentionVerifyConfig()
+    n, hq, d = q.shape
+    max_len, kvh = k_cache.shape[-3:-1]
+    b = slots.shape[0]
+    rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
+    plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
+    num_splits = plan["num_splits"]
+    final = num_splits == 1
+    if o_buffer is not None and (o_buffer.shape != (n, hq, d) or o_buffer.dtype != q.dtype):
+        raise ValueError(f"o_buffer: expected {(n, hq, d)} {q.dtype}, got {o_buffer.shape} {o_buffer.dtype}")
+    ints = (query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), seq_lens.astype(jnp.int32))
+    o_shape = jax.ShapeDtypeStruct((n, hq, d), q.dtype)
+    extra = () if o_buffer is None else (o_buffer,)
+    common = dict(num_requests=b, t_max=t_max, rep=rep, rows=rows, block_k=plan["block_k"],
+                  num_splits=num_splits, min_split=plan["min_split"])
+
+    kernel = functools.partial(_verify_kernel, d=d, d_pad=d_pad, block_d=plan["block_d"],
+                               scale=d ** -0.5 * LOG2E, final=final, layer=layer, **common)
+    main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if final:
+        return pl.pallas_call(
+            kernel, out_shape=o_shape, grid=(b, kvh, 1),
+            input_output_aliases={} if o_buffer is None else {6: 0},
+            compiler_params=main_params, interpret=interpret, name="attention_verify",
+        )(*ints, q, k_cache, v_cache, *extra)
+
+    opart, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), F32),
+                   jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
+        grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
+        name="attention_verify_split",
+    )(*ints, q, k_cache, v_cache)
+    combine_d, combine_rows = plan["combine_d"], plan["combine_rows"]
+    combine = functools.partial(_combine_kernel, d=d, combine_d=combine_d, combine_rows=combine_rows,
+                                max_len=max_len, **common)
+    tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
+    return pl.pallas_call(
+        combine, out_shape=o_shape, grid=(b, kvh, tiles),
+        input_output_aliases={} if o_buffer is None else {5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=plan["combine_warps"], num_stages=1),
+        interpret=interpret, name="attention_verify_combine",
+    )(*ints, opart, lse, *extra)
