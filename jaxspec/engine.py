@@ -78,21 +78,52 @@ def _target_rows(logits, params, greedy, max_top_k):
     return sampling.target_distribution(logits, params, max_top_k)
 
 
-def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, mode, greedy, max_top_k, impl,
-          force_accept=False):
+@struct.dataclass
+class DevicePlan:
+    """Inputs of the device-side tier choice (tier_dispatch "switch"), all traced data so one
+    compiled step serves every tier: plan (bool []: False = verify everything, the host's
+    warm-up / no-history / no-cost-table rule), survival [S, T-1] of the step `lag` steps back,
+    same [S] (the row holds the request it held then; otherwise its survivals count as 1) and
+    costs [S+1, tiers] (seconds of tier j's admissible budget at n active rows, from the table)."""
+
+    plan: jnp.ndarray
+    survival: jnp.ndarray
+    same: jnp.ndarray
+    costs: jnp.ndarray
+
+
+def _device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
+    """Index of the verify tier, chosen on the device by `planner.choose_budget`'s rule (the
+    budget maximising tau(n) / c(n) over the admissible budgets, first maximum wins) and
+    `Engine._choose_tier`'s inputs, so it picks the tier the host would pick (up to float32
+    rounding of tau / c in near-ties)."""
+    n = jnp.sum(active, dtype=jnp.int32)
+    s = jnp.where(active[:, None], jnp.where(plan.same[:, None], plan.survival, 1.0), -jnp.inf).reshape(-1)
+    top = -jnp.sort(-jnp.where(jnp.isnan(s), -jnp.inf, s))
+    tau = n + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(jnp.isfinite(top), top, 0.0))])
+    tiers = jnp.asarray(tiers, jnp.int32)
+    budgets = jnp.clip(jnp.minimum(tiers - n, n * drafts_per_row), 0, s.shape[0])
+    rate = jnp.where(tiers >= n, tau[budgets] / plan.costs[n], -jnp.inf)
+    best = budgets[jnp.argmax(rate)]
+    return jnp.where(plan.plan, jnp.searchsorted(tiers, n + best, side="left"), tiers.shape[0] - 1).astype(jnp.int32)
+
+
+def _step(state: EngineState, target: Target, proposer, slots, plan=None, *, window, tier, mode, greedy, max_top_k,
+          impl, tiers=None, force_accept=False):
     """One decoding step for the rows `slots` [S] (0 = inactive row).
 
     mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
-    lengths from the estimator's current survivals with a budget of `tier` - active rows tokens
-    (`tier` is static: the host chose it from survivals `lag` steps old). cap-accept verifies the
-    whole block and caps acceptance at the planned length; compact packs only the planned windows
-    into `tier` rows. force_accept (profiling only) accepts every verified draft. Returns (state,
-    emitted [S, T], accepted [S], verified [S], features [S, T-1], survival [S, T-1]).
+    lengths from the estimator's current survivals with a budget of `tier` - active rows tokens.
+    `tier` static: the host chose it from survivals `lag` steps old. `tier` None (tier_dispatch
+    "switch"): the device chooses it from `plan` (a DevicePlan) among `tiers`, and compact runs
+    the verify under lax.switch over the tiers. cap-accept verifies the whole block and caps
+    acceptance at the planned length; compact packs only the planned windows into `tier` rows.
+    force_accept (profiling only) accepts every verified draft. Returns (state, emitted [S, T],
+    accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []).
     """
-    cache = state.cache
     s, t = slots.shape[0], window
     active = slots > 0
-    anchors, ctx_len = state.anchor[slots], cache.seq_len[slots]
+    anchors, ctx_len = state.anchor[slots], state.cache.seq_len[slots]
     keys = jax.vmap(lambda k: jax.random.split(k, 3))(state.keys[slots])
     key_draft, key_accept, key_next = keys[:, 0], keys[:, 1], keys[:, 2]
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
@@ -108,34 +139,49 @@ def _step(state: EngineState, target: Target, proposer, slots, *, window, tier, 
     _, survival = estimator.predict(state.estimator, features)
 
     # plan: drafts to verify per request, and the packed layout of the verify
+    tier_index = None
     if mode == "static":
         lengths = jnp.full((s,), t - 1, jnp.int32)
+        tier = s * t
     else:
+        if tier is None:
+            tier_index = _device_tier(plan, active, tiers, t - 1)
+            tier = jnp.asarray(tiers, jnp.int32)[tier_index]
         budget = tier - jnp.sum(active, dtype=jnp.int32)
         lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
     lengths = jnp.where(active, lengths, 0)
-    layout_tier = tier if mode == "compact" else s * t
-    tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
 
-    taps = proposer.taps
-    logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots, taps, impl=impl)
-    logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
-    probs, ids = _target_rows(logits, params, greedy, max_top_k)
-    accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
-    if force_accept:
-        accepted = lengths
-    cache = target_mod.commit(cache, slots, accepted, impl=impl)
+    def verify_commit(layout_tier, cache, proposer_state):
+        """Verify the planned windows in a layout of `layout_tier` tokens (static), accept,
+        commit, and feed the committed rows to the draft."""
+        tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
+        logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots,
+                                                  proposer.taps, impl=impl)
+        logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
+        probs, ids = _target_rows(logits, params, greedy, max_top_k)
+        accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
+        if force_accept:
+            accepted = lengths
+        cache = target_mod.commit(cache, slots, accepted, impl=impl)
+        request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
+        proposer_state = proposer.observe(proposer_state, tokens, hidden, ctx_len[request] + pos, slots[request],
+                                          valid & (pos <= accepted[request]))
+        return cache, proposer_state, accepted, bonus, emitted
 
-    request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
-    proposer_state = proposer.observe(state.proposer, tokens, hidden, ctx_len[request] + pos, slots[request],
-                                      valid & (pos <= accepted[request]))
+    if mode != "compact":
+        out = verify_commit(s * t, state.cache, state.proposer)
+    elif tier_index is None:
+        out = verify_commit(tier, state.cache, state.proposer)
+    else:
+        out = jax.lax.switch(tier_index, [partial(verify_commit, tt) for tt in tiers], state.cache, state.proposer)
+    cache, proposer_state, accepted, bonus, emitted = out
     state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
                           keys=state.keys.at[slots].set(key_next),
                           estimator=estimator.observe(state.estimator, features, lengths, accepted))
-    return state, emitted, accepted, lengths, features, survival
+    return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
-def _decode(state: EngineState, target: Target, proposer, slots, *, tier, greedy, max_top_k, impl):
+def _decode(state: EngineState, target: Target, proposer, slots, plan=None, *, tier, greedy, max_top_k, impl):
     """Mode "none": one target token per request and step (window = the anchor alone; `tier` is
     always the batch)."""
     cache = state.cache
@@ -150,7 +196,7 @@ def _decode(state: EngineState, target: Target, proposer, slots, *, tier, greedy
                                                params.temperature)
     cache = target_mod.commit(cache, slots, accepted, impl=impl)
     state = state.replace(cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1]))
-    return state, emitted, accepted, none, None, None
+    return state, emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
 
 
 def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
@@ -183,11 +229,18 @@ class Engine:
 
     Engine(target, draft, SpecConfig(...)) uses the DFlash draft; `proposer=` takes any pytree
     that follows jaxspec.proposer's interface instead. Mode "none" needs no draft.
+
+    tier_dispatch (cap-accept and compact; the other modes have one tier): "host" compiles one
+    step per tier and the host picks it each step (`_choose_tier`); "switch" compiles one step
+    that picks the tier on the device by the same rule and, in compact mode, runs the verify
+    under lax.switch over the tiers. Both emit the same tokens.
     """
 
     def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig = SpecConfig(), *,
                  proposer=None, tokenizer=None, cost_table: CostTable | str | None = None, record_trace=False,
-                 impl="auto"):
+                 impl="auto", tier_dispatch="host"):
+        if tier_dispatch not in ("host", "switch"):
+            raise ValueError(f"tier_dispatch={tier_dispatch!r}: must be 'host' or 'switch'")
         if proposer is None and draft is not None:
             proposer = DFlashProposer(draft, target, impl=impl)
         mode = spec.verify_mode
@@ -206,12 +259,16 @@ class Engine:
         self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
         self.recorder = TraceRecorder() if record_trace and mode != "none" else None
         self.tier_counts = collections.Counter()
+        self.tier_dispatch = tier_dispatch
+        self._switch = tier_dispatch == "switch" and mode in ("cap-accept", "compact")
+        self._costs = None                  # (cost table, its device cost matrix, placeholder survivals)
         self._steps_run = 0
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
         if mode == "none":
             step, static = partial(_decode, max_top_k=spec.max_top_k, impl=impl), ("greedy", "tier")
         else:
-            step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl)
+            step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl,
+                           tiers=self.tier_tokens)
             static = ("greedy", "tier", "force_accept")
         self._step = jax.jit(step, static_argnames=static, donate_argnums=(0,))
         self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
@@ -227,14 +284,19 @@ class Engine:
             anchor=jnp.zeros((s1,), jnp.int32), keys=jnp.zeros((s1, 2), jnp.uint32),
             sampling=SamplingParams.create(s1))
 
+    def _plans(self, old) -> bool:
+        """Whether the next step plans a budget: not in static mode, during warm-up, without the
+        step `lag` back (old is None) or without profiled costs (then it verifies everything)."""
+        warmup = self.spec.warmup_refits * self.spec.refit_interval
+        return not (self.spec.verify_mode in ("none", "static") or self._steps_run < warmup or old is None
+                    or self.cost_table is None or self.cost_table.is_trivial)
+
     def _choose_tier(self, rows, old) -> int:
         """The verify tier of the next step. rows: the request of each slot (None = idle); old:
-        (rows, survival [S, T-1]) of the step `lag` steps back, or None. The full block in static
-        mode, during warm-up and without profiled costs."""
+        (rows, survival [S, T-1]) of the step `lag` steps back, or None. The full block unless
+        `_plans`."""
         full = self.tier_tokens[-1]
-        warmup = self.spec.warmup_refits * self.spec.refit_interval
-        if (self.spec.verify_mode in ("none", "static") or self._steps_run < warmup or old is None
-                or self.cost_table is None or self.cost_table.is_trivial):
+        if not self._plans(old):
             return full
         old_rows, old_survival = old
         old_survival = np.asarray(old_survival)
@@ -244,6 +306,24 @@ class Engine:
         admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
         budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
         return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
+
+    def _device_plan(self, rows, old) -> DevicePlan:
+        """`_choose_tier`'s inputs for the device (tier_dispatch "switch"): nothing is read back;
+        the lagged survivals stay on the device (plan and same go as numpy: the step's call
+        transfers them)."""
+        s, d = self.spec.num_slots, self.window - 1
+        plans = self._plans(old)
+        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
+        if self._costs is None or self._costs[0] is not self.cost_table:
+            costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
+            if self.cost_table is not None and not self.cost_table.is_trivial:
+                for n in range(1, s + 1):
+                    for j, tier in enumerate(self.tier_tokens):
+                        if tier >= n:
+                            costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
+            self._costs = (self.cost_table, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
+        survival = old[1] if plans else self._costs[2]
+        return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
 
     def profile(self, batches, *, repeats=10, prompt_len=8, seed=0) -> CostTable:
         """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
@@ -383,18 +463,21 @@ class Engine:
             if active:
                 rows = [active.get(s) for s in range(1, self.spec.num_slots + 1)]
                 old = history[0] if len(history) == self.spec.lag else None
-                tier = self._choose_tier(rows, old)
+                if self._switch:
+                    tier, plan = None, self._device_plan(rows, old)
+                else:
+                    tier, plan = self._choose_tier(rows, old), None
                 slots = jnp.asarray([0 if r is None else r.slot for r in rows], jnp.int32)
-                self.state, emitted, accepted, verified, features, survival = self._step(
-                    self.state, self.target, self.proposer, slots, greedy=greedy, tier=tier)
+                self.state, emitted, accepted, verified, features, survival, used = self._step(
+                    self.state, self.target, self.proposer, slots, plan, greedy=greedy, tier=tier)
                 self._steps_run += 1
-                self.tier_counts[tier] += 1
                 history.append((rows, survival))
                 if self.recorder is not None:
                     self.recorder.add(features, verified, accepted, temperature)
-                dispatched = (rows, emitted, accepted, verified)
+                dispatched = (rows, emitted, accepted, verified, used if tier is None else tier)
             if in_flight is not None:
-                rows, emitted, accepted, verified = in_flight
+                rows, emitted, accepted, verified, step_tier = in_flight
+                self.tier_counts[int(step_tier)] += 1
                 emitted, accepted, verified = np.asarray(emitted), np.asarray(accepted), np.asarray(verified)
                 for row, req in enumerate(rows):
                     if req is None or req.done:

@@ -1,0 +1,132 @@
+"""Engine(tier_dispatch="switch"): one compiled step picks the tier on the device (lax.switch over
+the tiers in compact mode) and emits exactly the tokens of the host-chosen tiers."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+import jaxspec
+from jaxspec import engine as engine_mod
+from jaxspec import target as target_mod
+from jaxspec.config import SpecConfig
+from jaxspec.engine import Engine
+from jaxspec.spec import layout
+from jaxspec.spec.planner import CostTable
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
+SLOTS = 3
+
+
+@struct.dataclass
+class ChainProposer:
+    """A draft that compiles fast: draft k+1 = table[draft k] from the anchor, with logits of
+    varying sharpness (so the estimator's features, and the planned tiers, vary)."""
+
+    table: jax.Array                 # [vocab] the target's greedy next token after each token alone
+    block_size: int = struct.field(pytree_node=False)
+    taps = ()
+
+    def init_state(self, num_slots, max_len):
+        return jnp.zeros((), jnp.int32)
+
+    def observe(self, state, tokens, hidden, positions, slots, valid):
+        return state
+
+    def propose(self, state, anchors, slots, ctx_len):
+        drafts, tok = [], anchors
+        for _ in range(self.block_size - 1):
+            tok = self.table[tok]
+            drafts.append(tok)
+        drafts = jnp.stack(drafts, axis=1)
+        scale = 2.0 + (drafts % 5).astype(jnp.float32) * 2.0
+        return jax.nn.one_hot(drafts, self.table.shape[0]) * scale[..., None]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxspec.load_target(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def table(model):
+    vocab = model.config.vocab_size
+    logits, *_ = target_mod._prefill_layers(model, jnp.arange(vocab)[:, None], jnp.ones((vocab,), jnp.int32), (),
+                                            "ref")
+    return jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(9)
+    return [list(rng.integers(0, 512, n)) for n in (6, 19, 11, 3, 25)]
+
+
+def _cost_table(slots, block):
+    """A verify that costs more with more tokens: the planner picks partial tiers."""
+    tiers, _ = layout.tiers(slots, block)
+    return CostTable({(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, slots + 1) for n in range(1, tiers[-1] + 1)})
+
+
+def _engine(model, table, mode, dispatch, block):
+    spec = SpecConfig(verify_mode=mode, num_slots=SLOTS, max_len=64, warmup_refits=0, refit_interval=4, lag=1)
+    return Engine(model, None, spec, proposer=ChainProposer(table, block), cost_table=_cost_table(SLOTS, block),
+                  tier_dispatch=dispatch)
+
+
+def test_device_tier_is_the_host_tier(model, table):
+    """The device rule picks the host's tier for random survivals, occupancy and request changes."""
+    BLOCK = 6                                             # tiers (3, 8, 16, 18)
+    engine = _engine(model, table, "compact", "switch", BLOCK)
+    engine._steps_run = 10**6                          # past warm-up
+    pick = jax.jit(engine_mod._device_tier, static_argnums=(2, 3))
+    rng = np.random.default_rng(0)
+    requests = [object() for _ in range(2 * SLOTS)]
+    seen = set()
+    for trial in range(200):
+        survival = np.cumprod(rng.uniform(0.05, 1.0, (SLOTS, BLOCK - 1)) ** rng.uniform(0.1, 3), axis=1)
+        survival = survival.astype(np.float32)
+        old_rows = [requests[i] if rng.random() < 0.8 else None for i in range(SLOTS)]
+        rows = [r if rng.random() < 0.7 else (requests[SLOTS + i] if rng.random() < 0.7 else None)
+                for i, r in enumerate(old_rows)]
+        if all(r is None for r in rows):
+            rows[0] = requests[0]
+        old = (old_rows, jax.numpy.asarray(survival))
+        host = engine._choose_tier(rows, old)
+        active = jax.numpy.asarray([r is not None for r in rows])
+        device = engine.tier_tokens[int(pick(engine._device_plan(rows, old), active, engine.tier_tokens, BLOCK - 1))]
+        assert device == host, (trial, rows, old_rows, survival)
+        seen.add(host)
+    assert len(seen) > 2, seen
+    # no plan (no history): the full block, as on the host
+    assert int(pick(engine._device_plan([requests[0]] + [None] * (SLOTS - 1), None), active,
+                    engine.tier_tokens, BLOCK - 1)) == len(engine.tier_tokens) - 1
+
+
+@pytest.mark.parametrize("mode", ["compact", "cap-accept"])
+def test_switch_emits_the_host_tokens_and_compiles_once(model, table, prompts, mode):
+    """Same tokens, per-step verified and accepted lengths and tier counts as the host dispatch,
+    greedy (compact) and seeded sampling; the switch step compiles once per variant."""
+    outs = {}
+    for dispatch in ("host", "switch"):
+        engine = _engine(model, table, mode, dispatch, block=4)      # tiers (3, 8, 12)
+        results = []
+        if mode == "compact":                             # greedy is lossless anyway: once is enough
+            results += engine.generate(prompts, max_new_tokens=16)
+            if dispatch == "switch":
+                assert engine._step._cache_size() == 1, "the switch step compiled more than once"
+        results += engine.generate(prompts, max_new_tokens=16, temperature=0.8, seed=[1, 2, 3, 4, 5])
+        outs[dispatch] = ([(r.tokens, r.stats["verified"], r.stats["accepted"]) for r in results],
+                          dict(engine.tier_counts), engine._step._cache_size())
+    (host, host_tiers, host_compiles), (switch, switch_tiers, switch_compiles) = outs["host"], outs["switch"]
+    assert switch == host
+    assert switch_tiers == host_tiers and len(host_tiers) == 3, (host_tiers, switch_tiers)
+    variants = 2 if mode == "compact" else 1              # greedy and sampling
+    assert switch_compiles == variants and host_compiles == 3 * variants
+
+
+def test_tier_dispatch_is_checked(model, table):
+    with pytest.raises(ValueError, match="tier_dispatch"):
+        _engine(model, table, "compact", "device", 4)
