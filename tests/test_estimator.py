@@ -353,7 +353,7 @@ def test_runs_jitted_with_no_host_transfer():
         return est.observe(state, x, ver, acc), surv
 
     with jax.transfer_guard("disallow"):
-        for logits, ver, acc in steps:           # the second call refits under lax.cond
+        for logits, ver, acc in steps:           # the second call refits (selected on the counter)
             state, surv = step(state, logits, temp, ver, acc)
     assert int(state.calls) == 3 and surv.shape == (B, P)
     assert np.all(np.isfinite(np.asarray(state.intercepts)))

@@ -10,8 +10,10 @@ feature ``x_k = logit(q_max,k)`` of the temperature-scaled draft distribution (`
 Everything is a pure function over a device-resident `EstimatorState` pytree, so it can run
 inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
 evaluated at the current coefficients, and every ``refit_interval`` calls it takes one damped
-Newton step under ``lax.cond`` on the device call counter. Nothing here reads a value back to
-the host. Under sharding (a batch-sharded ``x``) the statistics are sums over the batch, so
+Newton step, selected on the device call counter. The selection is branch-free (the step is
+computed every call and kept only when due, `jnp.where`): on the H200 an XLA conditional copies
+its predicate to the host and waits, and the ``lax.cond`` form cost 13-15 µs more per step than
+computing the refit every time (bench/RESULTS.md). Nothing here reads a value back to the host. Under sharding (a batch-sharded ``x``) the statistics are sums over the batch, so
 every device ends with the same replicated state.
 
 The Newton system of the negative log-likelihood, with ridge ``r`` added to the diagonal, is an
@@ -206,7 +208,8 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
         g_1=state.g_1 + jnp.sum(r, axis=0),
         n=state.n + jnp.sum(obs, dtype=jnp.int32),
         calls=state.calls + 1)
-    return jax.lax.cond(state.calls % state.refit_interval == 0, refit, lambda s: s, state)
+    due = state.calls % state.refit_interval == 0
+    return jax.tree_util.tree_map(lambda new, old: jnp.where(due, new, old), refit(state), state)
 
 
 # ------------------------------------------------------------------------------------ refit
