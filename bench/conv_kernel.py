@@ -40,6 +40,8 @@ import statistics
 import sys
 import time
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
 W = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -253,11 +255,8 @@ def main_jax(args):
             us = timed(fn, big)
             copies[f"jax a+1 {jnp.dtype(cdt).name}{' in place' if donate else ''}"] = 2 * n_bytes / (us * 1e-6)
             del big
-    try:
-        with open(os.path.join(args.out, "copy_bw_torch.json")) as f:
-            copies["torch copy"] = json.load(f)["TB_per_s"] * 1e12
-    except OSError:
-        pass
+    if torch_bw := benchutil.read_torch_copy(args.out):
+        copies["torch copy"] = torch_bw
     bw_src = max(copies, key=copies.get)
     bw = copies[bw_src]
     tiny_fn = jax.jit(lambda a: a + 1.0, donate_argnums=0)
@@ -313,7 +312,7 @@ def main_jax(args):
         with open(os.path.join(args.out, "conv_bench.json"), "w") as f:
             json.dump(summary, f, indent=1)
         md = [f"# conv verify kernel, {dev.device_kind}, C={C}, bf16, W={W}, T={T}", "",
-              f"Copy bandwidth (same run, 1 GiB read+write, best of: "
+              "Copy bandwidth (same run, 1 GiB read+write, best of: "
               + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + f" TB/s): {bw / 1e12:.3f} TB/s. "
               f"In-model time per call = (chain of {K} calls in one jit, median of {reps}, minus "
               f"{overhead_us:.1f} us dispatch) / {K}; it includes launch gaps.", "",
@@ -374,21 +373,6 @@ def main_jax(args):
     print(dump(), flush=True)
 
 
-def torch_copy_bw(args):
-    """Device-to-device copy bandwidth through torch (read + write), written to copy_bw_torch.json."""
-    import torch
-    from triton.testing import do_bench
-    a = torch.empty(1 << 28, device="cuda")
-    b = torch.empty_like(a)
-    us = do_bench(lambda: b.copy_(a), return_mode="median") * 1e3
-    bw = 2 * a.numel() * 4 / (us * 1e-6)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "copy_bw_torch.json"), "w") as f:
-        json.dump(dict(TB_per_s=bw / 1e12, us=us), f)
-    print(json.dumps({"kernel": "torch copy 1 GiB", "us": round(us, 1), "TB_per_s": round(bw / 1e12, 3)}))
-    return bw
-
-
 def main_fla(args):
     """flash-linear-attention's Triton causal_conv1d (varlen, initial state, silu) on the same shapes."""
     import numpy as np
@@ -398,7 +382,7 @@ def main_fla(args):
     from fla.ops.utils import prepare_chunk_indices
 
     dev = "cuda"
-    bw = torch_copy_bw(args)
+    bw = benchutil.torch_copy_bandwidth(args.out)
     T, C = args.T, args.C
     rows = []
     for B in [int(x) for x in args.batches.split(",")]:
@@ -433,7 +417,7 @@ if __name__ == "__main__":
     if a.fla:
         main_fla(a)
     elif a.torch_copy:
-        torch_copy_bw(a)
+        benchutil.torch_copy_bandwidth(a.out)
     elif a.ncu_sweep:
         main_ncu_sweep(a)
     elif a.ncu_parse:

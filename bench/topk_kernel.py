@@ -34,6 +34,8 @@ import statistics
 import sys
 import time
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -57,21 +59,6 @@ def parse(argv=None):
     if args.smoke:
         args.rows, args.vocab, args.ks, args.reps, args.inner, args.xla_reps = "4,8", 3000, "5,20", 2, 1, 1
     return args
-
-
-def torch_copy_bw(args):
-    """Device-to-device copy bandwidth through torch (read + write), written to copy_bw_torch.json."""
-    import torch
-    from triton.testing import do_bench
-    n = 1 << 28                                            # 1 GiB of float32
-    a = torch.randn(n, device="cuda")
-    b = torch.empty_like(a)
-    us = do_bench(lambda: b.copy_(a), return_mode="median") * 1e3
-    bw = 2 * a.numel() * 4 / (us * 1e-6)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "copy_bw_torch.json"), "w") as f:
-        json.dump(dict(us=us, TB_per_s=bw / 1e12), f)
-    print(f"torch copy 1 GiB: {us:.1f} us, {bw / 1e12:.3f} TB/s")
 
 
 def main(args):
@@ -112,13 +99,11 @@ def main(args):
         copies[name] = 2 * big.nbytes / (us * 1e-6)
     read_us, _ = timed(jax.jit(jnp.max), big, reps=10, inner=3)
     read_bw = big.nbytes / (read_us * 1e-6)
-    torch_json = os.path.join(args.out, "copy_bw_torch.json")
-    if os.path.exists(torch_json):
-        with open(torch_json) as f:
-            copies["torch copy"] = json.load(f)["TB_per_s"] * 1e12
+    if torch_bw := benchutil.read_torch_copy(args.out):
+        copies["torch copy"] = torch_bw
     bw_src, bw = max(copies.items(), key=lambda kv: kv[1])
     del big
-    print(f"copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
+    print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
           + f"; read-only jnp.max {read_bw / 1e12:.3f} TB/s; floors use {bw_src}", flush=True)
 
     results, adversarial, sweep = [], [], []
@@ -292,6 +277,6 @@ def main(args):
 if __name__ == "__main__":
     a = parse()
     if a.torch_copy:
-        torch_copy_bw(a)
+        benchutil.torch_copy_bandwidth(a.out)
         sys.exit(0)
     sys.exit(main(a))

@@ -69,8 +69,11 @@ def _gpu_checked(impl):
 
 
 def greedy_tokens(logits, *, impl="auto"):
-    """logits [..., vocab] (any float dtype) -> argmax [...] int32, the lowest id on ties."""
-    if use_kernel("greedy_tokens", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_argmax(logits)):
+    """logits [..., vocab] (any float dtype) -> argmax [...] int32, the lowest id on ties.
+
+    impl="auto" keeps jnp.argmax: on the H200 the argmax kernel measured 0.84x of XLA at fp32 and
+    1.1-1.2x at bf16 (bench/RESULTS.md), not worth a kernel launch; impl="pallas" reaches it."""
+    if use_kernel("greedy_tokens", impl, lambda: impl == "pallas" and pallas_topk.supports_argmax(logits)):
         return pallas_topk.argmax(logits)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -1,0 +1,32 @@
+"""Pieces every GPU benchmark script shares: the torch copy bandwidth (measured in its own process,
+since JAX preallocates GPU memory) written to and read back from DIR/copy_bw_torch.json."""
+import json
+import os
+
+TORCH_COPY_JSON = "copy_bw_torch.json"
+
+
+def torch_copy_bandwidth(out_dir) -> float:
+    """Time a 1 GiB float32 device-to-device torch copy (read + write counted) with triton's
+    do_bench, write DIR/copy_bw_torch.json, and return the bandwidth in bytes/s."""
+    import torch
+    from triton.testing import do_bench
+
+    a = torch.empty(1 << 28, device="cuda")
+    b = torch.empty_like(a)
+    us = do_bench(lambda: b.copy_(a), return_mode="median") * 1e3
+    bw = 2 * a.numel() * 4 / (us * 1e-6)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, TORCH_COPY_JSON), "w") as f:
+        json.dump(dict(us=us, TB_per_s=bw / 1e12), f)
+    print(json.dumps({"kernel": "torch copy 1 GiB", "us": round(us, 1), "TB_per_s": round(bw / 1e12, 3)}))
+    return bw
+
+
+def read_torch_copy(out_dir) -> float | None:
+    """The bandwidth (bytes/s) an earlier `torch_copy_bandwidth(out_dir)` wrote, or None."""
+    try:
+        with open(os.path.join(out_dir, TORCH_COPY_JSON)) as f:
+            return json.load(f)["TB_per_s"] * 1e12
+    except OSError:
+        return None
