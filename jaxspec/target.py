@@ -260,8 +260,8 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
                 q, gate, k, v = _attn_in(p, cfg, xn, positions)
                 state["k_cache"], state["v_cache"] = attention.kv_write(
                     state["k_cache"], state["v_cache"], k, v, cache.seq_len, query_start_loc, slots, layer=ai)
-                o = attention.attention_verify(q, state["k_cache"][ai], state["v_cache"][ai], cache.seq_len,
-                                               query_start_loc, slots, t_max, impl=impl)
+                o = attention.attention_verify(q, state["k_cache"], state["v_cache"], cache.seq_len,
+                                               query_start_loc, slots, t_max, layer=ai, impl=impl)
                 return _attn_out(p, o, gate)
 
             ai += 1
