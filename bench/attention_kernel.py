@@ -79,10 +79,7 @@ def parse(argv=None):
 
 
 def main(args):
-    if args.smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    sys.path.insert(0, os.path.join(HERE, ".."))
+    benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1,9 +1,22 @@
-"""Pieces every GPU benchmark script shares: the torch copy bandwidth (measured in its own process,
-since JAX preallocates GPU memory) written to and read back from DIR/copy_bw_torch.json."""
+"""Pieces every GPU benchmark script shares: the JAX process setup, and the torch copy bandwidth
+(measured in its own process, since JAX preallocates GPU memory) written to and read back from
+DIR/copy_bw_torch.json."""
 import json
 import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TORCH_COPY_JSON = "copy_bw_torch.json"
+
+
+def setup_jax(smoke: bool) -> None:
+    """Before jax is imported: the CPU for a smoke run, no GPU memory preallocation (a torch or
+    second JAX process may share the GPU), and the repository root importable."""
+    if smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.path.insert(0, ROOT)
 
 
 def torch_copy_bandwidth(out_dir) -> float:

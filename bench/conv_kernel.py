@@ -37,7 +37,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
@@ -93,16 +92,9 @@ NCU_SWEEP = {
 NCU_LAUNCHES = 2
 
 
-def setup_jax(args):
-    if args.smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    sys.path.insert(0, os.path.join(HERE, ".."))
-
-
 def main_ncu_sweep(args):
     """Launch each sweep config NCU_LAUNCHES times (profiled by the ncu wrapping this process)."""
-    setup_jax(args)
+    benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -211,7 +203,7 @@ def main_ncu_parse(args):
 
 
 def main_jax(args):
-    setup_jax(args)
+    benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -43,6 +43,8 @@ import tempfile
 import time
 import types
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("compact", "static", "none", "cap-accept")
 
@@ -92,10 +94,7 @@ def timed_host(fn, items, reps=5):
 
 
 def main(args):
-    if args.smoke:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    sys.path.insert(0, os.path.join(HERE, ".."))
+    benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
     import numpy as np
