@@ -221,6 +221,20 @@ def _unit_lower_inverse(a_t, t, n_rows):
 # Kernel
 
 
+def _dot_stack_rows(tt, half, start, n, m):
+    """Row map of the dot stack X = [k_0..k_T, 0.. ; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]
+    (2 half rows; window keys at rows [0, tt), queries at [tt, 2 tt), history keys from row half):
+    (is_k, is_q, tok_ok, x_rows, rec_ok, rec_j) with x_rows / rec_j clamped to 0 where unused."""
+    r = jnp.arange(2 * half, dtype=jnp.int32)
+    is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
+    tok = jnp.where(is_k, r, r - tt)
+    tok_ok = (is_k | is_q) & (tok < n)
+    x_rows = start + jnp.where(tok_ok, tok, 0)
+    rec_j = r - half
+    rec_ok = (r >= half) & (rec_j < m)
+    return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
+
+
 def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ckpt_ref, rk_in, *refs,
             group, num_requests, t_max, tt, half, hilo, ratio, block_v, block_k, pad_rows, prefetch, layer):
     n_u = 2 if hilo else 1
@@ -247,6 +261,14 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
     kcols = jnp.arange(kd, dtype=jnp.int32)
     t = jnp.arange(tt, dtype=jnp.int32)
 
+    def load_stack(stack, slot, cols):
+        """The dot stack's [2 half, len(cols)] columns `cols` of K, float32 (zeros in empty rows)."""
+        is_k, is_q, tok_ok, x_rows, rec_ok, rec_j = stack
+        xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_k)[:, None], other=0.0)
+        xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_q)[:, None], other=0.0)
+        xh = plgpu.load(rk_in.at[(*lay, slot, kh, rec_j[:, None], cols)], mask=rec_ok[:, None], other=0.0)
+        return jnp.where(is_k[:, None], xk.astype(F32), jnp.where(is_q[:, None], xq.astype(F32), xh.astype(F32)))
+
     def _verify_value_head(start, n, slot, rows, valid):
         m = jnp.clip(wpos_ref[slot], 0, ring_len)
         g = plgpu.load(g_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
@@ -260,23 +282,11 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         #   HX = h0^T X_top^T [BV, half]:    h0^T k_i, h0^T q_i
         # both on the warpgroup MMA (M >= 64) with operands in shared memory, and the checkpoint
         # is read once, chunk by chunk.
-        r = jnp.arange(2 * half, dtype=jnp.int32)
-        is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
-        tok = jnp.where(is_k, r, r - tt)
-        tok_ok = (is_k | is_q) & (tok < n)
-        x_rows = start + jnp.where(tok_ok, tok, 0)
-        rec_j = r - half
-        rec_ok = (r >= half) & (rec_j < m)
-        rec_j = jnp.where(rec_ok, rec_j, 0)
+        stack = _dot_stack_rows(tt, half, start, n, m)
 
         def k_step(c, carry):
             s_acc, hx = carry
-            cols = c * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-            xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_k)[:, None], other=0.0)
-            xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_q)[:, None], other=0.0)
-            xh = plgpu.load(rk_in.at[(*lay, slot, kh, rec_j[:, None], cols)], mask=rec_ok[:, None], other=0.0)
-            x = jnp.where(is_k[:, None], xk.astype(F32), jnp.where(is_q[:, None], xq.astype(F32),
-                                                                    xh.astype(F32)))  # [2 half, BK]
+            x = load_stack(stack, slot, c * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :])  # [2 half, BK]
             x_top, _ = jnp.split(x, 2, axis=0)                                          # [half, BK]
             h0 = ckpt_ref[(*lay, slot, hv, pl.ds(c * block_k, block_k), pl.ds(v0, block_v))]     # [BK, BV]
             h0 = h0 if h0.dtype == BF16 else h0.astype(F32)
@@ -359,23 +369,12 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         #   X = [k_0..k_T, 0..; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]     (2 half rows, all of K),
         # and S = X X_top^T (X_top = first half: window keys then queries): K K^T, Q K^T and the
         # history keys' dots with the window. One warpgroup MMA (M = 2 half >= 64) from shared memory.
-        r = jnp.arange(2 * half, dtype=jnp.int32)
-        is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
-        tok = jnp.where(is_k, r, r - tt)
-        tok_ok = (is_k | is_q) & (tok < n)
-        x_rows = start + jnp.where(tok_ok, tok, 0)
-        rec_j = r - half
-        rec_ok = (r >= half) & (rec_j < m)
-        rec_j = jnp.where(rec_ok, rec_j, 0)
+        stack = _dot_stack_rows(tt, half, start, n, m)
         cols = kcols[None, :]
         bk = block_k
 
         def gram_step(c, s_acc):
-            kc = c * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
-            xk = plgpu.load(k_ref.at[x_rows[:, None], kh, kc], mask=(tok_ok & is_k)[:, None], other=0.0)
-            xq = plgpu.load(q_ref.at[x_rows[:, None], kh, kc], mask=(tok_ok & is_q)[:, None], other=0.0)
-            xh = plgpu.load(rk_in.at[(*lay, slot, kh, rec_j[:, None], kc)], mask=rec_ok[:, None], other=0.0)
-            x = jnp.where(is_k[:, None], xk.astype(F32), jnp.where(is_q[:, None], xq.astype(F32), xh.astype(F32)))
+            x = load_stack(stack, slot, c * bk + jnp.arange(bk, dtype=jnp.int32)[None, :])
             x_top, _ = jnp.split(x, 2, axis=0)                                              # [half, BK]
             return s_acc + _dot(x, x_top, trans_b=True)
 
