@@ -294,7 +294,7 @@ def main(args):
         """Compile the step of every tier the host may pick (host dispatch), on a throwaway state."""
         slots = jnp.arange(1, b + 1, dtype=jnp.int32)
         for tier in engine.tier_tokens:
-            out = engine._step(engine._init_state(), engine.target, engine.proposer, slots, None,
+            out = engine._step(engine._init_state(), engine.target, engine.proposer, slots, None, np.bool_(False),
                                greedy=args.temperature == 0, tier=tier)
             jax.block_until_ready(out[1])
 
@@ -355,7 +355,7 @@ def main(args):
             for _ in range(args.step_reps + 1):
                 t = time.perf_counter()
                 engine.state, emitted, *_, used = engine._step(engine.state, engine.target, engine.proposer, slots,
-                                                               plan, greedy=greedy, tier=tier)
+                                                               plan, np.bool_(False), greedy=greedy, tier=tier)
                 jax.block_until_ready(emitted)
                 ts.append(time.perf_counter() - t)
             return statistics.median(ts[1:]) * 1e3, int(used)

@@ -108,8 +108,8 @@ def _device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
     return jnp.where(plan.plan, jnp.searchsorted(tiers, n + best, side="left"), tiers.shape[0] - 1).astype(jnp.int32)
 
 
-def _step(state: EngineState, target: Target, proposer, slots, plan=None, *, window, tier, mode, greedy, max_top_k,
-          impl, tiers=None, force_accept=False):
+def _step(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, window, tier, mode, greedy,
+          max_top_k, impl, tiers=None):
     """One decoding step for the rows `slots` [S] (0 = inactive row).
 
     mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
@@ -118,7 +118,8 @@ def _step(state: EngineState, target: Target, proposer, slots, plan=None, *, win
     "switch"): the device chooses it from `plan` (a DevicePlan) among `tiers`, and compact runs
     the verify under lax.switch over the tiers. cap-accept verifies the whole block and caps
     acceptance at the planned length; compact packs only the planned windows into `tier` rows.
-    force_accept (profiling only) accepts every verified draft. Returns (state, emitted [S, T],
+    force_accept: bool [], traced (so profiling and decoding share one compiled step per tier);
+    True (profiling only) accepts every verified draft. Returns (state, emitted [S, T],
     accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []).
     """
     s, t = slots.shape[0], window
@@ -160,8 +161,7 @@ def _step(state: EngineState, target: Target, proposer, slots, plan=None, *, win
         logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
         probs, ids = _target_rows(logits, params, greedy, max_top_k)
         accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
-        if force_accept:
-            accepted = lengths
+        accepted = jnp.where(force_accept, lengths, accepted)
         cache = target_mod.commit(cache, slots, accepted, impl=impl)
         request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
         proposer_state = proposer.observe(proposer_state, tokens, hidden, ctx_len[request] + pos, slots[request],
@@ -181,9 +181,10 @@ def _step(state: EngineState, target: Target, proposer, slots, plan=None, *, win
     return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
-def _decode(state: EngineState, target: Target, proposer, slots, plan=None, *, tier, greedy, max_top_k, impl):
+def _decode(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, tier, greedy, max_top_k,
+            impl):
     """Mode "none": one target token per request and step (window = the anchor alone; `tier` is
-    always the batch)."""
+    always the batch). plan and force_accept are `_step`'s; with no drafts they have no use."""
     cache = state.cache
     s = slots.shape[0]
     keys = jax.vmap(lambda k: jax.random.split(k, 2))(state.keys[slots])
@@ -269,7 +270,7 @@ class Engine:
         else:
             step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl,
                            tiers=self.tier_tokens)
-            static = ("greedy", "tier", "force_accept")
+            static = ("greedy", "tier")
         self._step = jax.jit(step, static_argnames=static, donate_argnums=(0,))
         self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
         self.state = self._init_state()
@@ -354,7 +355,7 @@ class Engine:
                 for _ in range(calls):
                     start = time.perf_counter()
                     self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, jnp.asarray(slots),
-                                                         greedy=True, tier=tier, force_accept=True)
+                                                         None, np.bool_(True), greedy=True, tier=tier)
                     jax.block_until_ready(emitted)
                     times.append(time.perf_counter() - start)
                 entries[(batch, tier)] = float(np.median(times[1:]))       # the first call compiles
@@ -469,7 +470,7 @@ class Engine:
                     tier, plan = self._choose_tier(rows, old), None
                 slots = jnp.asarray([0 if r is None else r.slot for r in rows], jnp.int32)
                 self.state, emitted, accepted, verified, features, survival, used = self._step(
-                    self.state, self.target, self.proposer, slots, plan, greedy=greedy, tier=tier)
+                    self.state, self.target, self.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier)
                 self._steps_run += 1
                 history.append((rows, survival))
                 if self.recorder is not None:

@@ -123,3 +123,16 @@ def test_compact_with_a_random_draft_matches_none(model, prompts):
     reference = Engine(model, None, SpecConfig(verify_mode="none", num_slots=2, max_len=96)).generate(
         prompts, max_new_tokens=12)
     assert [r.tokens for r in engine.generate(prompts, max_new_tokens=12)] == [r.tokens for r in reference]
+
+
+def test_profile_and_decoding_share_the_compiled_steps(model, prompts):
+    """Forced acceptance is a traced flag: profiling compiles each tier once and greedy decoding
+    then reuses those steps (no second compilation per tier)."""
+    spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=128, warmup_refits=0, refit_interval=4)
+    engine = Engine(model, random_draft(model, 4), spec)
+    table = engine.profile([2], repeats=2)
+    profiled = engine._step._cache_size()
+    assert profiled == len([t for t in engine.tier_tokens if t >= 2]) and len(table) == profiled
+    engine.cost_table = table
+    engine.generate(prompts[:2], max_new_tokens=12)
+    assert engine._step._cache_size() == profiled, "decoding recompiled a profiled tier"
