@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -98,18 +97,8 @@ def main(args):
         return time.time() - t_start > args.budget_s
 
     def timed(fn, *a, reps=None, inner=None, per_call=1):
-        reps, inner = reps or args.reps, inner or args.inner
-        out = fn(*a)
-        jax.block_until_ready(out)
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for _ in range(inner):
-                out = fn(*a)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t) / (inner * per_call))
-        return statistics.median(ts) * 1e6, out
+        us, out = benchutil.median_us(fn, *a, reps=reps or args.reps, inner=inner or args.inner)
+        return us / per_call, out
 
     # ---- copy bandwidth, same run
     nbw = (1 << 28) if on_gpu else (1 << 20)

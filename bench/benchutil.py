@@ -3,7 +3,9 @@
 DIR/copy_bw_torch.json."""
 import json
 import os
+import statistics
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,6 +19,25 @@ def setup_jax(smoke: bool) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path.insert(0, ROOT)
+
+
+def median_us(fn, *args, reps, inner=1):
+    """(median µs per call, last output) of `fn(*args)`: two untimed calls (compile, warm-up),
+    then `reps` timings of `inner` back-to-back calls synchronised once (jax.block_until_ready),
+    so dispatch overlaps the previous call's GPU work."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times) * 1e6, out
 
 
 def torch_copy_bandwidth(out_dir) -> float:

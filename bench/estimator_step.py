@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -79,15 +78,7 @@ def main(args):
     on_gpu = jax.default_backend() == "gpu"
 
     def timed(fn, *a, reps=None):
-        reps = reps or args.reps
-        jax.block_until_ready(fn(*a))                  # compile
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t)
-        return statistics.median(ts) * 1e6
+        return benchutil.median_us(fn, *a, reps=reps or args.reps)[0]
 
     # ---- copy bandwidth, same run
     nbw = (1 << 28) if on_gpu else (1 << 20)

@@ -13,12 +13,13 @@ Usage (GPU): PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/p
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxspec.ops.gdn import gdn_chunked  # noqa: E402
@@ -38,19 +39,6 @@ def inputs(batch, t, seed=0):
     return q, k, v, g, beta, h0
 
 
-def time_calls(fn, args, iters, reps):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(times)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x1024,1x4096,1x16384,8x1024", help="BATCHxT, comma-separated")
@@ -66,7 +54,7 @@ def main(argv=None):
         if time.perf_counter() - start > args.budget_s:
             break
         batch, t = map(int, case.split("x"))
-        us = time_calls(fn, inputs(batch, t), args.iters, args.reps)
+        us, _ = benchutil.median_us(fn, *inputs(batch, t), reps=args.reps, inner=args.iters)
         row = {"kernel": "xla gdn_chunked", "batch": batch, "T": t, "us": round(us, 1),
                "tokens_per_s": round(batch * t / us * 1e6)}
         rows.append(row)

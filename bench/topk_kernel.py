@@ -30,7 +30,6 @@ Writes DIR/topk_bench.md and DIR/topk_bench.json (DIR = --out, default $OUT or b
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -74,18 +73,7 @@ def main(args):
     dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
     def timed(fn, *a, reps=None, inner=None):
-        reps, inner = reps or args.reps, inner or args.inner
-        out = fn(*a)
-        jax.block_until_ready(out)
-        jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for _ in range(inner):
-                out = fn(*a)
-            jax.block_until_ready(out)
-            ts.append((time.perf_counter() - t) / inner)
-        return statistics.median(ts) * 1e6, out
+        return benchutil.median_us(fn, *a, reps=reps or args.reps, inner=inner or args.inner)
 
     # ---- bandwidth, same run
     nbw = (1 << 28) if on_gpu else (1 << 20)
