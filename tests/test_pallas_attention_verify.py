@@ -335,3 +335,18 @@ def test_dispatch_gpu():
     o_ref, o_pallas, o_auto = run("ref"), run("pallas"), run("auto")
     oracle.assert_close(o_pallas, o_ref, 1.5e-2, "pallas")
     np.testing.assert_array_equal(oracle.bits(o_auto), oracle.bits(o_pallas), "auto")
+
+
+@gpu
+@pytest.mark.gpu
+def test_layer_stack_gpu():
+    """Compiled, layer 1 of a 3-layer stack whose other layers are NaN: bit-identical to the call on
+    that layer's own cache (the kernel indexes the stack, it never reads another layer)."""
+    garbage, _ = device_case(9, 16, 8, 1500, null_every=4)
+    stack = lambda c: jnp.stack([jnp.full_like(c, jnp.nan), c, jnp.full_like(c, jnp.nan)])
+    stacked = dict(garbage, k_cache=stack(garbage["k_cache"]), v_cache=stack(garbage["v_cache"]))
+    for cfg in (None, pav.AttentionVerifyConfig(num_splits=3, min_split=64)):
+        single = np.asarray(run_kernel(garbage, 8, cfg).astype(jnp.float32))
+        layered = np.asarray(jax.jit(lambda c: pav.attention_verify(**c, t_max=8, config=cfg, layer=1))(stacked)
+                             .astype(jnp.float32))
+        np.testing.assert_array_equal(oracle.bits(layered), oracle.bits(single), "layer 1 of the stack")
