@@ -9,7 +9,7 @@ model arrays except to read the emitted tokens.
 import collections
 import dataclasses
 import time
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +225,23 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     return state, first
 
 
+@cache
+def _jitted_step(window, mode, max_top_k, impl, tiers, switch):
+    """One jitted step per configuration, shared by every Engine with it (a profiling engine and
+    the decoding engine, or a second engine on the same model, reuse the compiled steps). `switch`
+    only keys the cache: that step is always called with tier None, so its compilations are its own."""
+    if mode == "none":
+        step = partial(_decode, max_top_k=max_top_k, impl=impl)
+    else:
+        step = partial(_step, window=window, mode=mode, max_top_k=max_top_k, impl=impl, tiers=list(tiers))
+    return jax.jit(step, static_argnames=("greedy", "tier"), donate_argnums=(0,))
+
+
+@cache
+def _jitted_prefill(max_top_k, impl):
+    return jax.jit(partial(_prefill, max_top_k=max_top_k, impl=impl), donate_argnums=(0,))
+
+
 class Engine:
     """Speculative decoding of a GDN-hybrid target with a block draft.
 
@@ -265,14 +282,8 @@ class Engine:
         self._costs = None                  # (cost table, its device cost matrix, placeholder survivals)
         self._steps_run = 0
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
-        if mode == "none":
-            step, static = partial(_decode, max_top_k=spec.max_top_k, impl=impl), ("greedy", "tier")
-        else:
-            step = partial(_step, window=window, mode=mode, max_top_k=spec.max_top_k, impl=impl,
-                           tiers=self.tier_tokens)
-            static = ("greedy", "tier")
-        self._step = jax.jit(step, static_argnames=static, donate_argnums=(0,))
-        self._prefill = jax.jit(partial(_prefill, max_top_k=spec.max_top_k, impl=impl), donate_argnums=(0,))
+        self._step = _jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
+        self._prefill = _jitted_prefill(spec.max_top_k, impl)
         self.state = self._init_state()
 
     def _init_state(self) -> EngineState:
@@ -472,6 +483,11 @@ class Engine:
                 self.state, emitted, accepted, verified, features, survival, used = self._step(
                     self.state, self.target, self.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier)
                 self._steps_run += 1
+                # start the device-to-host copies now: by the time the host reads them (next
+                # iteration; the survivals `lag` steps later) they are there, no round trip
+                for out in (emitted, accepted, verified, survival if tier is not None else used):
+                    if out is not None:                   # mode none has no survivals
+                        out.copy_to_host_async()
                 history.append((rows, survival))
                 if self.recorder is not None:
                     self.recorder.add(features, verified, accepted, temperature)

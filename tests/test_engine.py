@@ -40,6 +40,7 @@ def reference(model, prompts):
 def test_static_greedy_is_lossless(model, prompts, reference, block_size, fold_policy):
     ring = 16 if fold_policy == "every" or block_size <= 8 else 32
     spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, fold_policy=fold_policy, ring_len=ring)
+    jax.clear_caches()                         # engines share compiled steps: count from zero
     engine = Engine(model, random_draft(model, block_size), spec)
     for batch in ([0], [1, 2, 3], list(range(8))):                     # 8 requests > 4 slots: a queue
         results = engine.generate([prompts[i] for i in batch], max_new_tokens=MAX_NEW)
@@ -47,6 +48,21 @@ def test_static_greedy_is_lossless(model, prompts, reference, block_size, fold_p
             assert r.error is None
             assert r.tokens == reference[i], f"prompt {i}, batch {batch}"
     assert engine._step._cache_size() == 1, "the step recompiled for a new mix of requests"
+
+
+def test_engines_with_one_configuration_share_compiled_steps(model, prompts, reference):
+    """A second engine with the same configuration (a new Engine per request batch, a profiling
+    engine beside the decoding one) reuses the first one's compiled step and prefill."""
+    spec = SpecConfig(verify_mode="static", num_slots=2, max_len=96)
+    draft = random_draft(model, 4)
+    first = Engine(model, draft, spec)
+    assert [r.tokens for r in first.generate(prompts[:2], max_new_tokens=MAX_NEW)] == reference[:2]
+    compiled = (first._step._cache_size(), first._prefill._cache_size())
+    second = Engine(model, draft, spec)
+    assert [r.tokens for r in second.generate(prompts[2:4], max_new_tokens=MAX_NEW)] == reference[2:4]
+    assert (second._step._cache_size(), second._prefill._cache_size()) == compiled, "second engine recompiled"
+    other = Engine(model, draft, SpecConfig(verify_mode="static", num_slots=2, max_len=96, block_size=2))
+    assert other._step is not first._step, "a different verify window must not share the step"
 
 
 @pytest.mark.parametrize("fold_policy", ["every", "lazy"])

@@ -104,6 +104,7 @@ def test_modes_agree_and_greedy_is_lossless(model, prompts):
     reference = [r.tokens for r in Engine(model, None, spec("none")).generate(prompts, max_new_tokens=20)]
     oracle = OracleProposer(target=model, block_size=block)
     sampled = {}
+    jax.clear_caches()                         # engines share compiled steps: count from zero
     for mode in ("cap-accept", "compact"):
         engine = Engine(model, None, spec(mode), proposer=oracle, cost_table=_cost_table(slots, block))
         greedy = engine.generate(prompts, max_new_tokens=20)
@@ -129,6 +130,7 @@ def test_profile_and_decoding_share_the_compiled_steps(model, prompts):
     """Forced acceptance is a traced flag: profiling compiles each tier once and greedy decoding
     then reuses those steps (no second compilation per tier)."""
     spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=128, warmup_refits=0, refit_interval=4)
+    jax.clear_caches()                         # engines share compiled steps: count from zero
     engine = Engine(model, random_draft(model, 4), spec)
     table = engine.profile([2], repeats=2)
     profiled = engine._step._cache_size()

@@ -110,6 +110,7 @@ def test_switch_emits_the_host_tokens_and_compiles_once(model, table, prompts, m
     """Same tokens, per-step verified and accepted lengths and tier counts as the host dispatch,
     greedy (compact) and seeded sampling; the switch step compiles once per variant."""
     outs = {}
+    jax.clear_caches()                         # engines share compiled steps: count from zero
     for dispatch in ("host", "switch"):
         engine = _engine(model, table, mode, dispatch, block=4)      # tiers (3, 8, 12)
         results = []
