@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxspec.ops import packing
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import fold as pallas_fold
+from jaxspec.pallas import gdn_chunked as pallas_chunked
 from jaxspec.pallas import gdn_verify as pallas_verify
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -117,7 +118,8 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
     Shapes as gdn_recurrent; lengths [B] or None (all T). Positions t >= lengths[b] leave the
     state unchanged and output 0. Returns (o [B, T, HV, V] float32, h [B, HV, K, V] float32).
     """
-    use_kernel("gdn_chunked", impl, None)
+    if use_kernel("gdn_chunked", impl, lambda: pallas_chunked.supports(q, k, v, g, beta, h0, lengths)):
+        return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)     # its own chunk size
     b, t, hv, _ = v.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
     valid = jnp.arange(t)[None, :] < lengths[:, None]                                    # [B, T]
