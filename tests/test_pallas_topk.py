@@ -238,8 +238,12 @@ def _jit_argmax(config, interpret):
 def check_argmax(x, config=None, interpret=True):
     out, keys, cols = _jit_argmax(config, interpret)(jnp.asarray(x))
     assert out.dtype == jnp.int32 and out.shape == x.shape[:-1]
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(np.asarray(out).reshape(-1), np_argmax(np.asarray(x).reshape(-1, x.shape[-1])))
+    # jnp.argmax agrees except on rows with several NaNs: there XLA's GPU argmax returns one of
+    # them (seen: the last of two), the kernel and numpy the first
+    single_nan = np.sum(np.isnan(np.asarray(x, np.float32)), axis=-1) <= 1
+    np.testing.assert_array_equal(np.asarray(out)[single_nan],
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))[single_nan])
     cols = np.asarray(cols)
     assert not np.any(np.asarray(keys) == INT_MIN) and np.all((cols >= 0) & (cols < x.shape[-1])), \
         "an argmax partial was not written"

@@ -63,8 +63,8 @@ def _per_row(x, lead):
 # ------------------------------------------------------------------------------ target side
 
 def _gpu_checked(impl):
-    """The top-k / argmax kernels have only run in interpret mode so far: impl="auto" keeps the
-    reference until a GPU run holds them to it (issue 8); impl="pallas" reaches them."""
+    """impl="auto" takes the top-k kernel only once its GPU tests have passed on the H200
+    (`pallas_topk.GPU_VALIDATED`); impl="pallas" always reaches it."""
     return impl == "pallas" or pallas_topk.GPU_VALIDATED
 
 
