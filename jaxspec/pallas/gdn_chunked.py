@@ -61,10 +61,11 @@ padded to ceil(T / C) C rows so that their blocks never overhang.
 
 Measured on the H200 (2026-11-30, jax 0.11.2, bench/prefill_chunk.py; bench/RESULTS.md), H 16,
 HV 48, K = V = 128, bf16 q/k/v: the default (chunk 32, prep_warps 1, block_v 64, 4 warps, 1 stage)
-takes 727 us for 1 x 4096 tokens and 1909 us for 4 x 4096 (XLA's chunked reference 7.8x / 6.7x
-slower; flash-linear-attention's chunk kernel 794 / 1359 us on another machine of the same kind),
-at 10-15 % of the copy bandwidth: compute-bound. Chunk 64 with a 4-warp prep kernel: 884 / 2368 us
-(its prep kernel alone 352 / 1179 us). Compiled offline (ptxas, sm_90a) at chunk 64: prep 255
+takes 789 us for 1 x 4096 tokens and 1848 us for 4 x 4096, against flash-linear-attention's
+chunk kernel at 560 / 1358 us in the same call (1.41x / 1.36x) and XLA's chunked reference at
+5818 / 12752 us (7.4x / 6.9x slower), at 11-19 % of the copy bandwidth: compute-bound. Chunk
+64 with a 4-warp prep kernel (an earlier call): 884 / 2368 us, its prep kernel alone 352 / 1179
+us. Compiled offline (ptxas, sm_90a) at chunk 64: prep 255
 registers, ~5.2 k instructions per warp and program; state 255 registers, 112 KiB shared; about a
 quarter of the instructions are hi/lo conversions and the sums of split products (the Pallas dot
 has no accumulator input, so split products are added outside the MMA).
