@@ -78,19 +78,15 @@ def main(args):
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     dev = jax.devices()[0]
-    on_gpu = jax.default_backend() == "gpu"
 
     def timed(fn, *a, reps=None):
         return benchutil.median_us(fn, *a, reps=reps or args.reps)[0]
 
     # ---- copy bandwidth, same run
-    nbw = (1 << 28) if on_gpu else (1 << 20)
-    big = jax.random.normal(jax.random.key(1), (nbw,), jnp.float32)
-    copies = {"jax x+1": 2 * big.nbytes / (timed(jax.jit(lambda x: x + 1.0), big, reps=10) * 1e-6)}
+    copies = {"jax x+1": benchutil.jax_copy_bandwidth()[0]}
     if torch_bw := benchutil.read_torch_copy(args.out):
         copies["torch copy"] = torch_bw
     bw_src, bw = max(copies.items(), key=lambda kv: kv[1])
-    del big
     print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items()), flush=True)
 
     steps = args.steps

@@ -9,7 +9,7 @@ Times are GPU kernel times from CUPTI (jax's Mosaic GPU profiler hooks: every ke
 launches, summed), median over iterations; `wall` is the host-side time per call of a queue of
 calls (dispatch-bound at small batch). Bytes that must move: read + write of the checkpoints of
 the m > 0 slots plus their live records (keys, updates, gates). The copy bandwidth is measured in
-the same run (x + 1 over 4 GiB of float32: read + write).
+the same run (`benchutil.jax_copy_bandwidth`: x + 1 over 1 GiB of float32, read + write).
 
     python3 bench/fold_kernel.py --out $OUT            # full table -> fold_bench.md / .json
     python3 bench/fold_kernel.py --sweep               # tile-config sweep at batch 128 too
@@ -25,6 +25,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxspec.ops.gdn import gdn_fold      # noqa: E402
@@ -69,16 +71,6 @@ def timed(step, state, rest, iters):
     if per_iter is None:
         per_iter = [wall]
     return state, per_iter, wall
-
-
-def copy_bandwidth():
-    n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 20)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    _, t, _ = timed(lambda a: f(a), x, (), 20)   # not donated: read 4 GiB, write 4 GiB
-    ms = statistics.median(t)
-    del x
-    return 2 * 4 * n / (ms * 1e-3)
 
 
 def make_inputs(key, layers, batch, ckpt_dtype, ring):
@@ -180,7 +172,7 @@ def fmt_table(rows, bw):
 def write_md(result, a, bw):
     rows = sorted(result["rows"], key=lambda r: (r["ckpt"], r["ring"], r["layers"], r["batch"]))
     md = [f"# GDN fold: Pallas kernel vs XLA reference ({result['device']})", "",
-          f"Copy bandwidth measured in the same run: {bw / 1e12:.3f} TB/s (x + 1 over 4 GiB f32, read + write). "
+          f"Copy bandwidth measured in the same run: {bw / 1e12:.3f} TB/s (x + 1 over 1 GiB f32, read + write). "
           f"H {H}, HV {HV}, K = V = {K}, ring L = {L}, m = {M} live records per slot, slot 0 null. "
           "Kernel and XLA times: CUPTI GPU time per call (median); wall: host time per call in a queue. "
           "Floor: bytes that must move / copy bandwidth. XLA ref: jax.jit(gdn_fold, impl='ref'), checkpoint donated "
@@ -216,7 +208,7 @@ def main():
         H, HV, K, V = 2, 6, 32, 32
     os.makedirs(a.out, exist_ok=True)
     print(jax.devices(), "cupti:", _CUPTI is not None, flush=True)
-    bw = copy_bandwidth()
+    bw, _ = benchutil.jax_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     result = dict(device=str(jax.devices()[0].device_kind), copy_bw=bw, default_config=vars(fold.FoldConfig()),
                   sweep=[], rows=[])

@@ -30,6 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxspec.ops.gdn import gdn_verify  # noqa: E402
 from jaxspec.pallas import gdn_verify as kv  # noqa: E402
@@ -137,22 +139,6 @@ def time_calls(fn, args, iters, reps):
     return statistics.median(times), copies
 
 
-def copy_bandwidth(iters=20):
-    """HBM bandwidth of a 1 GiB float32 elementwise pass (read + write), in place inside a loop."""
-    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 28,), jnp.float32)
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, y: y * 1.0001 + 1e-7, x), donate_argnums=0)
-    x = f(x)
-    jax.block_until_ready(x)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x = f(x)
-        jax.block_until_ready(x)
-        ts.append((time.perf_counter() - t0) / iters)
-    t = statistics.median(ts)
-    return 2 * (1 << 28) * 4 / t, t * 1e6
-
-
 INTERPRET = False
 
 
@@ -219,8 +205,8 @@ def main():
         for _ in range(3):
             jax.block_until_ready(run(*a))
         return
-    bw, copy_us = copy_bandwidth()
-    emit(dict(kind="copy", bytes=2 * (1 << 28) * 4, us=round(copy_us, 1), TB_per_s=round(bw / 1e12, 3),
+    bw, copy_us = benchutil.jax_copy_bandwidth()
+    emit(dict(kind="copy", bytes=round(bw * copy_us * 1e-6), us=round(copy_us, 1), TB_per_s=round(bw / 1e12, 3),
               device=str(jax.devices()[0].device_kind)))
     best = {d: kv.default_config(DTYPES[d], V) for d in DTYPES}
     for spec in filter(None, args_cli.config.split(";")):

@@ -50,13 +50,6 @@ def inputs(batch, t, seed=0):
     return q, k, v, g, beta, h0
 
 
-def copy_bandwidth(reps):
-    """Bytes/s of a 1 GiB float32 elementwise copy (read + write) in XLA."""
-    x = jnp.zeros((1 << 28,), jnp.float32)
-    us, _ = benchutil.median_us(jax.jit(lambda a: a + 1.0), x, reps=reps)
-    return 2 * x.nbytes / (us * 1e-6)
-
-
 def op_bytes(args):
     """Bytes the op must move at least: its inputs once, o and h written once."""
     q, k, v, g, beta, h0 = args
@@ -104,7 +97,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     impls = set(args.impls.split(","))
     fla = read_fla(args.fla_jsonl)
-    bw = copy_bandwidth(args.reps)
+    bw, _ = benchutil.jax_copy_bandwidth(args.reps)
     print(json.dumps({"kernel": "xla copy 1 GiB", "TB_per_s": round(bw / 1e12, 3)}), flush=True)
     fn = jax.jit(lambda *a: gdn_chunked(*a, impl="ref"))
     configs = [("pallas gdn_chunked", None)] + [(f"pallas {s}", parse_config(s)) for s in args.sweep.split(",") if s]
