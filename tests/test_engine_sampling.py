@@ -93,7 +93,16 @@ def _bonus_from_p(right):
     return accept
 
 
-def test_wrong_acceptance_fails_the_same_test(models, monkeypatch):
+@pytest.fixture
+def retrace():
+    """Engines share compiled steps (one jit per configuration): a test that patches a function the
+    step traces must trace it afresh, and must not leave its patched step behind for later tests."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_wrong_acceptance_fails_the_same_test(models, monkeypatch, retrace):
     monkeypatch.setattr(engine_mod.sampling, "accept", _bonus_from_p(engine_mod.sampling.accept))
     pvalues = _pvalues(_sample(_engine(models)), _exact_joint(models[0]))
     assert min(pvalues.values()) < 1e-3, pvalues
@@ -135,7 +144,7 @@ def test_compact_sampling_with_the_estimator_is_lossless(models):
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
-def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, monkeypatch):
+def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, monkeypatch, retrace):
     """Verifying draft 1 only when its sampled value is even anticipates the draft: not lossless."""
     drawn = []
     sample, plan = engine_mod.sampling.sample_draft, engine_mod.planner.plan_lengths

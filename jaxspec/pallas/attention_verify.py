@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
@@ -78,14 +79,6 @@ MAX_D = 256
 NUM_SMS = 132             # H200
 NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
 LOG2E = 1.4426950408889634
-
-
-def _pow2(v) -> bool:
-    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +122,11 @@ class AttentionVerifyConfig:
         name = type(self).__name__
         for field in ("block_k", "block_d"):
             val = getattr(self, field)
-            if val is not None and not (_pow2(val) and 16 <= val <= 256):
+            if val is not None and not (is_pow2(val) and 16 <= val <= 256):
                 raise ValueError(f"{name}.{field}={val!r}: must be a power of two in [16, 256]")
         if self.num_splits is not None and not (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 512):
             raise ValueError(f"{name}.num_splits={self.num_splits!r}: must be an integer in [1, 512]")
-        if not (_pow2(self.min_split) and self.min_split >= 16):
+        if not (is_pow2(self.min_split) and self.min_split >= 16):
             raise ValueError(f"{name}.min_split={self.min_split!r}: must be a power of two >= 16")
         if not (isinstance(self.target_programs, int) and self.target_programs >= 1):
             raise ValueError(f"{name}.target_programs={self.target_programs!r}: must be an integer >= 1")
@@ -141,7 +134,7 @@ class AttentionVerifyConfig:
             raise ValueError(f"{name}.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
         if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 4):
             raise ValueError(f"{name}.num_stages={self.num_stages!r}: must be an integer in [1, 4]")
-        if not (_pow2(self.combine_block_d) and 16 <= self.combine_block_d <= 256):
+        if not (is_pow2(self.combine_block_d) and 16 <= self.combine_block_d <= 256):
             raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
         if self.combine_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
@@ -149,8 +142,8 @@ class AttentionVerifyConfig:
     def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
         """The launch plan of a call (all static)."""
         f32 = jnp.dtype(dtype) == jnp.dtype(F32)
-        d_pad = max(16, _next_pow2(d))
-        block_k = min(self.block_k or (16 if f32 else 64), max(16, _next_pow2(max_len)))
+        d_pad = max(16, next_pow2(d))
+        block_k = min(self.block_k or (16 if f32 else 64), max(16, next_pow2(max_len)))
         block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
         if block_d < d_pad and d % block_d:
             # chunks must not overhang D (static slices); else the largest power of two dividing D
@@ -162,7 +155,7 @@ class AttentionVerifyConfig:
         num_stages = self.num_stages or (1 if f32 else 2)
         # split-merge tiles: [splits (pow2), rows, columns] of ~8192 fp32 values per program
         combine_d = min(self.combine_block_d, d_pad)
-        combine_rows = max(1, min(rows, 8192 // (_next_pow2(num_splits) * combine_d)))
+        combine_rows = max(1, min(rows, 8192 // (next_pow2(num_splits) * combine_d)))
         return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
                     num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
                     combine_rows=combine_rows, combine_warps=self.combine_warps)
@@ -172,7 +165,7 @@ def _geometry(q_shape, k_shape, t_max):
     """(rep, rows R, padded head dim) of a call."""
     hq, d = q_shape[1], q_shape[2]
     rep = hq // k_shape[2]
-    return rep, max(16, _next_pow2(t_max * rep)), max(16, _next_pow2(d))
+    return rep, max(16, next_pow2(t_max * rep)), max(16, next_pow2(d))
 
 
 def supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer=None) -> bool:
@@ -360,7 +353,7 @@ def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs,
     valid = in_win & (tok < length)
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
-    s_pad = _next_pow2(num_splits)
+    s_pad = next_pow2(num_splits)
 
     @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
     def _():

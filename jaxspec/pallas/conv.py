@@ -60,20 +60,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
 _MINUS_LOG2E = -1.4426950408889634
 MAX_WIDTH = 8       # largest conv width (taps); the models use 4
 _TARGET_PROGRAMS = 4 * 132   # about four programs per H200 SM before the channel block grows
-
-
-def _is_pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +100,7 @@ class ConvVerifyConfig:
     row_group: int = 8
 
     def __post_init__(self):
-        if self.block_c is not None and not (_is_pow2(self.block_c) and 16 <= self.block_c <= 4096):
+        if self.block_c is not None and not (is_pow2(self.block_c) and 16 <= self.block_c <= 4096):
             raise ValueError(f"ConvVerifyConfig.block_c={self.block_c!r}: must be a power of two in [16, 4096]")
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"ConvVerifyConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
@@ -115,7 +108,7 @@ class ConvVerifyConfig:
                 isinstance(self.requests_per_program, int) and 1 <= self.requests_per_program <= 16):
             raise ValueError(f"ConvVerifyConfig.requests_per_program={self.requests_per_program!r}: "
                              "must be an integer in [1, 16]")
-        if not (_is_pow2(self.pad_rows) and self.pad_rows <= 64):
+        if not (is_pow2(self.pad_rows) and self.pad_rows <= 64):
             raise ValueError(f"ConvVerifyConfig.pad_rows={self.pad_rows!r}: must be a power of two in [1, 64]")
         if not (isinstance(self.row_group, int) and 1 <= self.row_group <= 64):
             raise ValueError(f"ConvVerifyConfig.row_group={self.row_group!r}: must be an integer in [1, 64]")
@@ -129,7 +122,7 @@ class ConvVerifyConfig:
                 if num_requests * pl.cdiv(channels, cand) >= _TARGET_PROGRAMS:
                     block_c = cand
                     break
-        block_c = min(block_c, max(16, _next_pow2(channels)))
+        block_c = min(block_c, max(16, next_pow2(channels)))
         num_warps = self.num_warps
         if num_warps is None:
             num_warps = min(8, max(1, block_c * itemsize // 256))

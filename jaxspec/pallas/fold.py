@@ -48,12 +48,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _pow2(x):
-    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +74,7 @@ class FoldConfig:
     def __post_init__(self):
         for name, lo, hi in (("block_v", 16, 512), ("heads", 1, 64), ("chunk", 16, 256), ("num_warps", 1, 16)):
             val = getattr(self, name)
-            if not _pow2(val) or not lo <= val <= hi:
+            if not is_pow2(val) or not lo <= val <= hi:
                 raise ValueError(f"FoldConfig.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"FoldConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
@@ -121,8 +118,8 @@ def supports(ckpt, ring_k, ring_u, ring_g, num_records) -> bool:
         if h == 0 or hv % h:
             return False
         # Power-of-two blocks (Triton); >= 16 for the MMA; K <= 256 bounds the accumulator tile.
-        return (_pow2(kd) and 16 <= kd <= 256 and _pow2(vd) and vd >= 16
-                and _pow2(ring_len) and 16 <= ring_len <= 4096 and all(d > 0 for d in lead + (s1,)))
+        return (is_pow2(kd) and 16 <= kd <= 256 and is_pow2(vd) and vd >= 16
+                and is_pow2(ring_len) and 16 <= ring_len <= 4096 and all(d > 0 for d in lead + (s1,)))
     except (AttributeError, TypeError, ValueError):
         return False
 

@@ -80,15 +80,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 W_COLS = 64         # columns of W per product in the prep kernel (register budget)
 SUB = 16            # sub-block of the prep kernel: the tensor-core dot's minimum tile
 _IN_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
-
-
-def _pow2(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +112,7 @@ class ChunkConfig:
     def __post_init__(self):
         for name, lo, hi in (("chunk", 16, 64), ("block_v", 16, 256), ("num_warps", 1, 16), ("prep_warps", 1, 16)):
             val = getattr(self, name)
-            if not _pow2(val) or not lo <= val <= hi:
+            if not is_pow2(val) or not lo <= val <= hi:
                 raise ValueError(f"ChunkConfig.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
         if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"ChunkConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
@@ -143,7 +140,7 @@ def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:
               and b >= 1 and t >= 1 and h >= 1 and hv % h == 0
               # power-of-two register tiles (Triton); >= 16 for the tensor-core dots; K <= 128
               # bounds the state kernel's shared memory (q, k, W rows of a chunk) and registers
-              and _pow2(kd) and 16 <= kd <= 128 and _pow2(vd) and 16 <= vd <= 1024
+              and is_pow2(kd) and 16 <= kd <= 128 and is_pow2(vd) and 16 <= vd <= 1024
               and vd % min(cfg.block_v, vd) == 0
               # the Triton lowering addresses with int32 offsets: every array (the padded
               # intermediates included) below 2^31 elements
@@ -160,19 +157,13 @@ def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:
 # In-kernel helpers
 
 
-def _split(x):
-    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (residual ~2^-17 |x|)."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
-
-
 def _parts(x):
     """Operand as bf16 parts: a (hi, lo) tuple as given, a bf16 array as itself (exact), else split."""
     if isinstance(x, tuple):
         return x
     if x.dtype == BF16:
         return (x,)
-    return _split(x.astype(F32))
+    return split_bf16(x.astype(F32))
 
 
 def _mm(a, b, trans_a=False, trans_b=False):
@@ -282,14 +273,14 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
 
         # R = P T' with P = incl_lower(Q K^T * decay);  W = T'^T diag(e^{G_C - G}) K.
         r = _mm(jnp.where(incl, _mm(load_keys(q_ref), kp, trans_b=True) * decay, 0.0), tp)
-        r_hi, r_lo = _split(r)
+        r_hi, r_lo = split_bf16(r)
         r_hi_ref[b, hv, at, :] = r_hi
         r_lo_ref[b, hv, at, :] = r_lo
         dtp = _parts(jnp.exp(jnp.sum(g) - G)[:, None] * tp)
         wk = min(kd, W_COLS)
         for c0 in range(0, kd, wk):       # W by column blocks: a [C, K] float32 tile costs 64 registers
             cols = pl.ds(c0, wk)
-            w_hi, w_lo = _split(_mm(dtp, load_keys(k_ref, cols, wk), trans_a=True))        # [C, wk]
+            w_hi, w_lo = split_bf16(_mm(dtp, load_keys(k_ref, cols, wk), trans_a=True))        # [C, wk]
             w_hi_ref[b, hv, at, cols] = w_hi
             w_lo_ref[b, hv, at, cols] = w_lo
 
@@ -325,10 +316,10 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
         w = (w_hi_ref[b, hv, at, :], w_lo_ref[b, hv, at, :])                              # [C, K] pair
         r_mat = (r_hi_ref[b, hv, at, :], r_lo_ref[b, hv, at, :])                          # [C, C] pair
 
-        hp = _split(h)
+        hp = split_bf16(h)
         e_g = jnp.exp(G)[:, None]
         rhs = v - e_g * _mm(k, hp)                                                         # [C, BV]
-        rp = _split(rhs)
+        rp = split_bf16(rhs)
         o = e_g * _mm(q, hp) + _mm(r_mat, rp)
         # Rows past the length are 0 by selection; rows past T are not stored (masked).
         plgpu.store(o_ref.at[b, at, hv, vcols], jnp.where(mv, o, 0.0),

@@ -65,14 +65,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 MAX_T = 32          # token tile <= 32: the forward substitution is unrolled and lives in registers
 GROUPS = ("value_head", "key_head")
-
-
-def _pow2(x):
-    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +100,7 @@ class VerifyConfig:
             raise ValueError(f"VerifyConfig.group={self.group!r}: must be one of {GROUPS}")
         for name in ("block_v", "block_k", "num_warps", "pad_rows"):
             val = getattr(self, name)
-            if not _pow2(val):
+            if not is_pow2(val):
                 raise ValueError(f"VerifyConfig.{name}={val!r}: must be a positive power of two")
         for name in ("block_v", "block_k"):
             if getattr(self, name) < 16:
@@ -153,8 +150,8 @@ def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_st
             and all(p.shape == (s1, hv, ring_len, vd) for p in parts)
             and write_pos.shape == (s1,) and slots.ndim == 1
             and query_start_loc.shape == (slots.shape[0] + 1,)
-            and hv % h == 0 and _pow2(kd) and kd >= 16 and _pow2(vd) and vd >= 16
-            and _pow2(ring_len) and ring_len >= 16
+            and hv % h == 0 and is_pow2(kd) and kd >= 16 and is_pow2(vd) and vd >= 16
+            and is_pow2(ring_len) and ring_len >= 16
             and isinstance(t_max, int) and 1 <= t_max <= MAX_T
             and vd % min(cfg.block_v, vd) == 0 and kd % min(cfg.block_k, kd) == 0
             and jnp.dtype(ckpt.dtype) in (jnp.dtype(F32), jnp.dtype(BF16))
@@ -175,18 +172,12 @@ def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_st
 # In-kernel helpers
 
 
-def _split(x):
-    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (residual ~2^-17 |x|)."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
-
-
 def _dot(a, b, trans_a=False, trans_b=False):
     """op(a) @ op(b) to about float32 accuracy on the bf16 tensor cores (f32 accumulation).
 
     A bfloat16 operand is exact and is not split; the small terms are summed first."""
-    a_hi, a_lo = _split(a) if a.dtype == F32 else (a, None)
-    b_hi, b_lo = _split(b) if b.dtype == F32 else (b, None)
+    a_hi, a_lo = split_bf16(a) if a.dtype == F32 else (a, None)
+    b_hi, b_lo = split_bf16(b) if b.dtype == F32 else (b, None)
     mm = functools.partial(plgpu.dot, trans_a=trans_a, trans_b=trans_b)
     acc = None
     for x, y in ((a_lo, b_hi), (a_hi, b_lo)):
@@ -346,7 +337,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], o, mask=valid[None, :])
         pos = m + t
         rec = valid & (pos < ring_len)
-        u_parts = _split(u) if hilo else (u,)
+        u_parts = split_bf16(u) if hilo else (u,)
         for ref, part in zip(ru_out, u_parts):
             plgpu.store(ref.at[(*lay, slot, hv, pos[None, :], vcols[:, None])], part, mask=rec[None, :])
 
@@ -443,8 +434,8 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             at = (*lay, slot, hv, jh_at[:, None], vcols[None, :])
             u_rec = [plgpu.load(part.at[at], mask=live[:, None], other=0.0) for part in ru_in]    # [half, BV]
             if not hilo:
-                u_rec = list(_split(u_rec[0]))
-            s_hi, s_lo = _split(s_c)
+                u_rec = list(split_bf16(u_rec[0]))
+            s_hi, s_lo = split_bf16(s_c)
             hx = hx * e_gm
             hx += plgpu.dot(u_rec[1], s_hi, trans_a=True)
             hx += plgpu.dot(u_rec[0], s_lo, trans_a=True)
@@ -458,7 +449,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             o = eG * hq + _dot(_finite(u), p, trans_b=True)                                  # O^T
 
             plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], o, mask=valid[None, :])
-            u_parts = _split(u) if hilo else (u,)
+            u_parts = split_bf16(u) if hilo else (u,)
             for ref, part in zip(ru_out, u_parts):
                 plgpu.store(ref.at[(*lay, slot, hv, pos[None, :], vcols[:, None])], part, mask=rec[None, :])
 

@@ -82,6 +82,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # tests/test_pallas_topk.py -m gpu passed on the H200 (2026-11-30, jax 0.11.2: all 23 top-k cases
@@ -97,14 +98,6 @@ SENTINEL = -2**31 + 1       # out-of-range column / empty candidate slot
 KEY_FLOOR = -2**31 + 2      # smallest key of a real logit
 _MAGNITUDE = 0x7FFFFFFF
 _I32_MAX = 2**31 - 1
-
-
-def _is_pow2(v) -> bool:
-    return isinstance(v, int) and v > 0 and v & (v - 1) == 0
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (int(v) - 1).bit_length())
 
 
 def _i32(v):
@@ -148,11 +141,11 @@ class TopKConfig:
     stage2_warps: int | None = None
 
     def __post_init__(self):
-        if self.chunk is not None and not (_is_pow2(self.chunk) and 64 <= self.chunk <= MAX_CHUNK):
+        if self.chunk is not None and not (is_pow2(self.chunk) and 64 <= self.chunk <= MAX_CHUNK):
             raise ValueError(f"TopKConfig.chunk={self.chunk!r}: must be a power of two in [64, {MAX_CHUNK}]")
-        if self.groups is not None and not (_is_pow2(self.groups) and 2 <= self.groups <= 256):
+        if self.groups is not None and not (is_pow2(self.groups) and 2 <= self.groups <= 256):
             raise ValueError(f"TopKConfig.groups={self.groups!r}: must be a power of two in [2, 256]")
-        if self.slots is not None and not (_is_pow2(self.slots) and 16 <= self.slots <= 1024):
+        if self.slots is not None and not (is_pow2(self.slots) and 16 <= self.slots <= 1024):
             raise ValueError(f"TopKConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
         for name in ("num_warps", "stage2_warps"):
             v = getattr(self, name)
@@ -161,7 +154,7 @@ class TopKConfig:
 
     def resolve(self, rows: int, vocab: int, k: int) -> dict:
         """The launch plan of a call: chunk, groups, slots, num_chunks, candidates, warps."""
-        slots = self.slots or max(16, _next_pow2(2 * k))
+        slots = self.slots or max(16, next_pow2(2 * k))
         if slots < k:
             raise ValueError(f"TopKConfig.slots={slots}: must be >= k={k}")
         chunk = self.chunk
@@ -171,12 +164,12 @@ class TopKConfig:
                 chunk //= 2
             while chunk < MAX_CHUNK and pl.cdiv(vocab, chunk) * min(slots, chunk) > MAX_CANDIDATES:
                 chunk *= 2
-        chunk = min(chunk, max(16, _next_pow2(vocab)))
+        chunk = min(chunk, max(16, next_pow2(vocab)))
         slots = min(slots, chunk)                     # slots == chunk: every column is a candidate
-        groups = min(self.groups or min(128, max(32, _next_pow2(2 * k))), chunk)
+        groups = min(self.groups or min(128, max(32, next_pow2(2 * k))), chunk)
         num_chunks = pl.cdiv(vocab, chunk)
         candidates = num_chunks * slots
-        stage2_block = max(16, _next_pow2(candidates))
+        stage2_block = max(16, next_pow2(candidates))
         return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
                     candidates=candidates, stage2_block=stage2_block,
                     num_warps=self.num_warps or 8,
@@ -198,7 +191,7 @@ class ArgmaxConfig:
     num_warps: int | None = None
 
     def __post_init__(self):
-        if self.block is not None and not (_is_pow2(self.block) and 128 <= self.block <= 16384):
+        if self.block is not None and not (is_pow2(self.block) and 128 <= self.block <= 16384):
             raise ValueError(f"ArgmaxConfig.block={self.block!r}: must be a power of two in [128, 16384]")
         if self.splits is not None and not (isinstance(self.splits, int) and self.splits >= 1):
             raise ValueError(f"ArgmaxConfig.splits={self.splits!r}: must be a positive integer")
@@ -208,7 +201,7 @@ class ArgmaxConfig:
     def resolve(self, rows: int, vocab: int, itemsize: int) -> dict:
         num_warps = self.num_warps or 4
         block = self.block or (num_warps * 32 * 4 * 16 // itemsize)
-        block = min(block, max(128, _next_pow2(vocab)))
+        block = min(block, max(128, next_pow2(vocab)))
         blocks = pl.cdiv(vocab, block)
         splits = self.splits
         if splits is None:
@@ -383,7 +376,7 @@ def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=Fa
     """Stage 2 alone: the top-k of the candidates -> (values [rows, k] x.dtype, indices [rows, k])."""
     rows = x.shape[0]
     n = plan["candidates"]
-    k_block = max(16, _next_pow2(k))
+    k_block = max(16, next_pow2(k))
     out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs, 3)
     return pl.pallas_call(
         functools.partial(_stage2_kernel, k=k, candidates=n, block=plan["stage2_block"], k_block=k_block),

@@ -1,0 +1,19 @@
+"""Helpers shared by the Pallas kernels: tile-size arithmetic and the bf16 hi/lo split."""
+import jax.numpy as jnp
+
+
+def is_pow2(v) -> bool:
+    """Whether v is a positive int power of two (bools are not sizes)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def next_pow2(v) -> int:
+    """The smallest power of two >= v (1 for v <= 1); v any integer (numpy ones too)."""
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+def split_bf16(x):
+    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (residual ~2^-17 |x|): the operand split
+    that gives float32-accurate products on the bf16 tensor cores."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
