@@ -243,9 +243,8 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
             def mixer(xn, p=p, gi=gi):
                 nonlocal ring_u
                 qkv, z, g, beta = _gdn_in(p, cfg, xn)
-                y, window = conv.conv_verify(qkv, cache.conv_state[gi], state["conv_window"][gi], p["conv"],
-                                             query_start_loc, slots, impl=impl)
-                state["conv_window"] = state["conv_window"].at[gi].set(window)
+                y, state["conv_window"] = conv.conv_verify(qkv, cache.conv_state, state["conv_window"], p["conv"],
+                                                           query_start_loc, slots, layer=gi, impl=impl)
                 q, k, v = _gdn_split(cfg, y)
                 o, state["ring_k"], ring_u, state["ring_g"] = gdn.gdn_verify(
                     q, k, v, g, beta, cache.ckpt, state["ring_k"], ring_u, state["ring_g"], cache.write_pos,

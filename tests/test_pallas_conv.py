@@ -184,6 +184,51 @@ def test_supports():
         assert not pconv.supports_conv_verify(**{**ok, name: val}), name
 
 
+def stack_layers(case, layer, num_layers=3):
+    """The case's conv_state and conv_window as layer `layer` of [G, ...] stacks whose other
+    layers are NaN (a read of another layer poisons the outputs)."""
+    def stack(a):
+        return jnp.stack([a if i == layer else jnp.full_like(a, jnp.nan) for i in range(num_layers)])
+    return dict(case, conv_state=stack(case["conv_state"]), conv_window=stack(case["conv_window"]))
+
+
+@pytest.mark.parametrize("rpp", [1, 2])
+def test_layer_stack(rpp):
+    """With `layer`, the kernel reads conv_state[layer] and writes conv_window[layer] of the stacks in
+    place: y and that layer's window bit-identical to the call on the layer's own arrays, the other
+    layers' bits untouched; the reference path takes the same arguments."""
+    rng = np.random.default_rng(31)
+    lengths, slots = LAYOUTS["ragged"]
+    case = make_case(rng, lengths, slots, C=300, t_max=5, dtype=jnp.bfloat16)
+    config = pconv.ConvVerifyConfig(block_c=128, num_warps=1, requests_per_program=rpp)
+    y1, w1 = run_kernel(case, config=config, interpret=True)
+    stacked = stack_layers(case, 1)
+    run = jax.jit(lambda c: pconv.conv_verify(**c, config=config, interpret=True, layer=1))
+    y, w = run(stacked)
+    np.testing.assert_array_equal(oracle.bits(np.asarray(y)), oracle.bits(np.asarray(y1)), "y")
+    np.testing.assert_array_equal(oracle.bits(np.asarray(w[1])), oracle.bits(np.asarray(w1)), "layer 1 window")
+    for other in (0, 2):
+        np.testing.assert_array_equal(oracle.bits(np.asarray(w[other])),
+                                      oracle.bits(np.asarray(stacked["conv_window"][other])), f"layer {other}")
+    assert pconv.supports_conv_verify(**stacked, layer=2)
+    assert not pconv.supports_conv_verify(**stacked, layer=3) and not pconv.supports_conv_verify(**stacked)
+    y_ref, w_ref = jax.jit(lambda c: op_conv_verify(**c, layer=1, impl="ref"))(stacked)
+    np.testing.assert_allclose(np.asarray(y_ref.astype(jnp.float32)), np.asarray(y1.astype(jnp.float32)),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(oracle.bits(np.asarray(w_ref)), oracle.bits(np.asarray(w)), "reference window stack")
+
+
+def test_layer_stack_lowers_for_h200():
+    """48 GDN layers' conv state and window at batch 128 (C 10240, T 8, bf16), layer 47."""
+    S = jax.ShapeDtypeStruct
+    B, C, T, G = 128, 10240, 8, 48
+    fn = lambda x, st, win, w, qsl, sl: pconv.conv_verify(x, st, win, w, qsl, sl, interpret=False, layer=G - 1)
+    text = lower_for_h200(fn, S((B * T, C), jnp.bfloat16), S((G, B + 1, W - 1, C), jnp.bfloat16),
+                          S((G, B + 1, T, C), jnp.bfloat16), S((C, W), jnp.bfloat16), S((B + 1,), jnp.int32),
+                          S((B,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text
+
+
 BENCH_SHAPES = [(1, 10240, 8, jnp.bfloat16), (8, 10240, 8, jnp.bfloat16), (32, 10240, 8, jnp.bfloat16),
                 (128, 10240, 8, jnp.bfloat16), (5, 1000, 64, jnp.bfloat16), (3, 37, 5, jnp.float32)]
 
@@ -261,3 +306,22 @@ def test_dispatch_gpu_auto_and_donation():
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)),
                                rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(oracle.bits(np.asarray(w2)), oracle.bits(np.asarray(w_ref)))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rpp", [1, 4])
+def test_layer_stack_gpu(rpp):
+    """Compiled, layer 2 of a 4-layer stack whose other layers are NaN: y and the layer's window
+    bit-identical to the single-layer call, the other layers untouched."""
+    rng = np.random.default_rng(17)
+    lengths, slots = random_layout(rng, 33, 8, null_every=5)
+    case = make_case(rng, lengths, slots, C=10240 - 3, t_max=8, dtype=jnp.bfloat16, n_pad=9, s1=36)
+    config = pconv.ConvVerifyConfig(requests_per_program=rpp)
+    y1, w1 = run_kernel(case, config=config)
+    stacked = stack_layers(case, 2, num_layers=4)
+    y, w = jax.jit(lambda c: pconv.conv_verify(**c, config=config, layer=2))(stacked)
+    np.testing.assert_array_equal(oracle.bits(np.asarray(y)), oracle.bits(np.asarray(y1)), "y")
+    np.testing.assert_array_equal(oracle.bits(np.asarray(w[2])), oracle.bits(np.asarray(w1)), "layer 2 window")
+    for other in (0, 1, 3):
+        assert np.all(np.isnan(np.asarray(w[other].astype(jnp.float32)))), f"layer {other} was written"

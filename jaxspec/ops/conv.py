@@ -37,16 +37,24 @@ def conv_prefill(x, weight, lengths, *, impl="auto"):
     return y, state
 
 
-def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, impl="auto"):
+def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, layer=None, impl="auto"):
     """Packed verify. x [N, C], conv_state [S1, W-1, C], conv_window [S1, T, C], weight [C, W],
     query_start_loc [B+1], slots [B] -> (y [N, C], conv_window').
 
     Request r continues from conv_state[slots[r]]; conv_window'[slots[r], s] = x of its window
     token s (s < len_r), every other entry unchanged. Padding rows and slot-0 requests output 0.
+
+    layer: None, or a static int when conv_state and conv_window are stacks over the GDN layers
+    ([G, S1, ...]); the returned window is then the stack with that layer's rows written. The
+    kernel reads and writes the stacks in place (a per-layer slice handed to a kernel is a copy).
     """
-    if use_kernel("conv_verify", impl, lambda: pallas_conv.supports_conv_verify(
-            x, conv_state, conv_window, weight, query_start_loc, slots)):
-        return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots)
+    stacks_ok = layer is None or impl == "pallas" or pallas_conv.LAYER_STACKS_GPU_VALIDATED
+    if use_kernel("conv_verify", impl, lambda: stacks_ok and pallas_conv.supports_conv_verify(
+            x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)):
+        return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)
+    if layer is not None:      # the layer's slices (copies), through the kernel where it applies
+        y, window = conv_verify(x, conv_state[layer], conv_window[layer], weight, query_start_loc, slots, impl=impl)
+        return y, conv_window.at[layer].set(window)
     t_max = conv_window.shape[1]
     xp, valid = packing.to_padded(x, query_start_loc, t_max)                 # [B, T, C]
     valid = valid & (slots > 0)[:, None]

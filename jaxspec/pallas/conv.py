@@ -63,6 +63,10 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# The layer-stack path (`layer=`) is tested in interpret mode and lowered for the H200, but has not
+# run on the GPU yet: until tests/test_pallas_conv.py -m gpu -k layer passes there, impl="auto"
+# hands the kernel per-layer slices (jaxspec.ops.conv.conv_verify); impl="pallas" takes the stacks.
+LAYER_STACKS_GPU_VALIDATED = False
 MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
 _MINUS_LOG2E = -1.4426950408889634
 MAX_WIDTH = 8       # largest conv width (taps); the models use 4
@@ -132,9 +136,15 @@ class ConvVerifyConfig:
         return block_c, num_warps, min(rpp, num_requests)
 
 
-def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots) -> bool:
-    """Shapes and dtypes the packed verify kernel covers (see jaxspec.ops.conv.conv_verify)."""
+def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=None) -> bool:
+    """Shapes and dtypes the packed verify kernel covers (see jaxspec.ops.conv.conv_verify); with
+    `layer`, conv_state and conv_window are layer stacks and layer indexes both."""
     try:
+        if layer is not None:
+            if not (isinstance(layer, int) and conv_state.ndim == 4 and conv_window.ndim == 4
+                    and conv_state.shape[0] == conv_window.shape[0] and 0 <= layer < conv_state.shape[0]):
+                return False
+            conv_state, conv_window = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (conv_state, conv_window))
         if x.ndim != 2 or conv_state.ndim != 3 or conv_window.ndim != 3 or weight.ndim != 2:
             return False
         n, c = x.shape
@@ -160,7 +170,7 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
 
 
 def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window_in_ref, *refs,
-                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp):
+                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp, layer):
     y_ref, window_ref = refs[-2:]   # refs[:-2]: an optional y buffer aliased to y_ref (tests)
     del window_in_ref               # aliased to window_ref
     f32 = jnp.float32
@@ -171,6 +181,7 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
     cols = c0 + jnp.arange(block_c)
     cmask = cols < channels
     cs = pl.ds(c0, block_c)
+    at_layer = () if layer is None else (jnp.int32(layer),)   # the index prefix into layer stacks
 
     # --- this program's share of the padding rows (zeros), before any early exit.
     pad0 = jnp.minimum(qsl_ref[num_requests], n_rows)
@@ -202,7 +213,8 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
     def load_state(length, slot):
         # The W-1 raw inputs before x_0 (slot 0 or an empty request: nothing is read).
         live = cmask & (slot > 0) & (length > 0)
-        return [plgpu.load(state_ref.at[slot, jnp.int32(j), cs], mask=live, other=0) for j in range(width - 1)]
+        return [plgpu.load(state_ref.at[at_layer + (slot, jnp.int32(j), cs)], mask=live, other=0)
+                for j in range(width - 1)]
 
     def load_rows(start, length, slot, group):
         live = cmask & (slot > 0)
@@ -226,7 +238,8 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
             # element instead of ~12 for the libdevice expf (the kernel must stay memory-bound).
             y = acc / (1.0 + jnp.exp2(acc * _MINUS_LOG2E))
             plgpu.store(y_ref.at[start + t, cs], y.astype(y_ref.dtype), mask=cmask & valid)
-            plgpu.store(window_ref.at[slot, jnp.int32(t), cs], xt.astype(window_ref.dtype), mask=live & valid)
+            plgpu.store(window_ref.at[at_layer + (slot, jnp.int32(t), cs)], xt.astype(window_ref.dtype),
+                        mask=live & valid)
             hist = hist[1:] + [xf]
         return hist
 
@@ -277,16 +290,18 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
 
 def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
                 config: ConvVerifyConfig | None = None, interpret: bool | None = None,
-                y_buffer=None):
+                y_buffer=None, layer=None):
     """Packed causal conv verify; same contract as jaxspec.ops.conv.conv_verify.
 
     x [N, C], conv_state [S1, W-1, C], conv_window [S1, T, C] (aliased to the second output: donate
     it), weight [C, W], query_start_loc [B+1], slots [B] -> (y [N, C], conv_window').
     Each request's length must be <= T = conv_window.shape[1].
+    layer: None, or a static int: conv_state [G, S1, W-1, C] and conv_window [G, S1, T, C] are layer
+      stacks, read and written in place at that layer (the whole window stack is the aliased output).
     y_buffer: optional [N, C] array of x.dtype aliased to y; every element is overwritten (tests
     pass a NaN-filled one to prove it).
     """
-    if not supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots):
+    if not supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer):
         raise ValueError("conv_verify kernel: unsupported shapes/dtypes "
                          f"x {x.shape} {x.dtype}, conv_state {conv_state.shape} {conv_state.dtype}, "
                          f"conv_window {conv_window.shape} {conv_window.dtype}, weight {weight.shape}, "
@@ -297,7 +312,7 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
     n, c = x.shape
     b = slots.shape[0]
     width = weight.shape[1]
-    t_max = conv_window.shape[1]
+    t_max = conv_window.shape[-2]
     block_c, num_warps, rpp = config.resolve(b, c, jnp.dtype(x.dtype).itemsize, t_max)
     extra, aliases = (), {5: 1}
     if y_buffer is not None:
@@ -307,7 +322,7 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
 
     kernel = functools.partial(_conv_verify_kernel, num_requests=b, t_max=t_max, width=width,
                                block_c=block_c, pad_rows=config.pad_rows,
-                               row_group=config.row_group, rpp=rpp)
+                               row_group=config.row_group, rpp=rpp, layer=layer)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype),
