@@ -6,8 +6,9 @@ Shapes: Qwen3.8-27B TP1 GDN layer (H 16 key heads, HV 48 value heads, K = V = 12
 fp32 gates and state, one layer. fla takes as many key heads as value heads: its run repeats the
 16 key heads 3x (same math; it reads 3x the q/k bytes, which is < 15 % of its traffic). Timing:
 CUDA-synchronised median of back-to-back jitted calls. fla runs in its own process (the anchor
-script) in the same device call: `python3 .carry/anchors/fla_gdn_bench.py --batches 1 --T 4096`
-prints "fla chunk varlen" rows (one sequence of B*T tokens).
+script) in the same device call: `fla_gdn_bench.py --batches 1,4 --T 4096` prints "fla chunk
+varlen" rows (B sequences of T tokens, varlen); its fused_recurrent timing, which runs first,
+crashed at T = 4096 on the H200, so run a copy of the script with that timing removed.
 Pallas rows: the default configuration ("pallas gdn_chunked") with its ratio to the XLA row of
 the same case (vs_xla = xla_us / us), to fla (vs_fla = us / fla_us, when --fla-jsonl names the
 anchor's output of the same call), its prep kernel alone (prep_us: the chunk-parallel part; the
@@ -17,7 +18,7 @@ and the relative RMS difference of o and h from the XLA result. --sweep adds one
 kernel configuration "BVxWARPSxSTAGES" (optionally "xCHUNK" and "xPREPWARPS").
 Usage (GPU): PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/prefill_chunk.py --out $OUT
   [--fla-jsonl fla.jsonl] [--sweep 16x4x1,32x4x1,32x4x2,64x4x2,64x8x1,128x8x1,64x4x1x32x1,128x8x1x32x1]
-(the default configuration is 64x4x1x64x4: block_v 64, 4 warps, 1 stage, chunk 64, 4 prep warps).
+(the default configuration is 64x4x1x32x1: block_v 64, 4 warps, 1 stage, chunk 32, 1 prep warp).
 """
 import argparse
 import functools
