@@ -365,7 +365,7 @@ class Engine:
                 times = []
                 for _ in range(calls):
                     start = time.perf_counter()
-                    self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, jnp.asarray(slots),
+                    self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, slots,
                                                          None, np.bool_(True), greedy=True, tier=tier)
                     jax.block_until_ready(emitted)
                     times.append(time.perf_counter() - start)
@@ -479,7 +479,7 @@ class Engine:
                     tier, plan = None, self._device_plan(rows, old)
                 else:
                     tier, plan = self._choose_tier(rows, old), None
-                slots = jnp.asarray([0 if r is None else r.slot for r in rows], jnp.int32)
+                slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)   # travels with the call
                 self.state, emitted, accepted, verified, features, survival, used = self._step(
                     self.state, self.target, self.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier)
                 self._steps_run += 1
