@@ -90,7 +90,9 @@ _IN_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Tile sizes and launch parameters.
+    """Tile sizes and launch parameters; the defaults are the fastest of the H200 sweep
+    (bench/RESULTS.md). Only the chunk size changes the arithmetic (the WY grouping); the other
+    fields change the tiling and the launch.
 
     chunk: tokens per chunk C (power of two in [16, 64]; 32 measured fastest on the H200). The
       prep kernel inverts 16 x 16 diagonal blocks and merges C/16 of them; the state kernel's
@@ -118,15 +120,6 @@ class ChunkConfig:
             raise ValueError(f"ChunkConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
 
 
-def default_config(batch: int, v_dim: int) -> ChunkConfig:
-    """The configuration used when none is given: static shapes only, and the results do not
-    depend on it beyond the chunk size (block_v and the launch parameters only regroup the same
-    per-column arithmetic). Chosen from the compiled kernels' resources (module docstring) until
-    the H200 sweep of bench/prefill_chunk.py picks the fastest."""
-    del batch, v_dim
-    return ChunkConfig()
-
-
 def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:
     """Whether the kernels cover these shapes and dtypes (arrays or ShapeDtypeStructs)."""
     try:
@@ -134,7 +127,7 @@ def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:
             return False
         b, t, h, kd = q.shape
         hv, vd = v.shape[2], v.shape[3]
-        cfg = config or default_config(b, vd)
+        cfg = config or ChunkConfig()
         ok = (k.shape == q.shape and v.shape[:2] == (b, t) and g.shape == (b, t, hv)
               and beta.shape == (b, t, hv) and h0.shape == (b, hv, kd, vd)
               and b >= 1 and t >= 1 and h >= 1 and hv % h == 0
@@ -347,7 +340,7 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
 
 def _setup(q, v, lengths, config, interpret):
     b, t = q.shape[:2]
-    cfg = config or default_config(b, v.shape[3])
+    cfg = config or ChunkConfig()
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
     return cfg, interpret, jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, t)
