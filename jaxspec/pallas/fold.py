@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.tiles import is_pow2
+from jaxspec.pallas.tiles import check_pow2_fields, is_pow2
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -72,10 +72,7 @@ class FoldConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name, lo, hi in (("block_v", 16, 512), ("heads", 1, 64), ("chunk", 16, 256), ("num_warps", 1, 16)):
-            val = getattr(self, name)
-            if not is_pow2(val) or not lo <= val <= hi:
-                raise ValueError(f"FoldConfig.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
+        check_pow2_fields(self, (("block_v", 16, 512), ("heads", 1, 64), ("chunk", 16, 256), ("num_warps", 1, 16)))
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"FoldConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
 

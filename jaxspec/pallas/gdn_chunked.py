@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.tiles import is_pow2, split_bf16
+from jaxspec.pallas.tiles import check_pow2_fields, is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 W_COLS = 64         # columns of W per product in the prep kernel (register budget)
@@ -112,10 +112,7 @@ class ChunkConfig:
     prep_warps: int = 1
 
     def __post_init__(self):
-        for name, lo, hi in (("chunk", 16, 64), ("block_v", 16, 256), ("num_warps", 1, 16), ("prep_warps", 1, 16)):
-            val = getattr(self, name)
-            if not is_pow2(val) or not lo <= val <= hi:
-                raise ValueError(f"ChunkConfig.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
+        check_pow2_fields(self, (("chunk", 16, 64), ("block_v", 16, 256), ("num_warps", 1, 16), ("prep_warps", 1, 16)))
         if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"ChunkConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
 

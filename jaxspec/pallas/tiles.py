@@ -7,6 +7,15 @@ def is_pow2(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
+def check_pow2_fields(config, ranges) -> None:
+    """ValueError naming the field unless every (name, lo, hi) field of the config dataclass is a
+    power of two in [lo, hi]."""
+    for name, lo, hi in ranges:
+        val = getattr(config, name)
+        if not is_pow2(val) or not lo <= val <= hi:
+            raise ValueError(f"{type(config).__name__}.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
+
+
 def next_pow2(v) -> int:
     """The smallest power of two >= v (1 for v <= 1); v any integer (numpy ones too)."""
     return 1 << max(0, (int(v) - 1).bit_length())
