@@ -25,7 +25,9 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 # Small CPU shapes: r = 3 value heads per key head, 2 V blocks, 2 K chunks, ring 16.
 SMALL = dict(H=2, HV=6, K=32, V=32, L=16, S1=6)
 SMALL_CFG = kv.VerifyConfig(block_v=16, block_k=16)
-KEY_CFG = kv.VerifyConfig(group="key_head", block_v=16, block_k=16, prefetch=True)   # the other grouping
+KEY_CFG = kv.VerifyConfig(group="key_head", block_v=16, block_k=16, prefetch=True)   # the other groupings
+TWO_CFG = kv.VerifyConfig(group="two_pass", block_v=16, block_k=16)
+GROUP_CFGS = pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG, TWO_CFG], ids=["value_head", "key_head", "two_pass"])
 # (slot, window length): slot 0 is a padding request, slot 2 is not in the batch; 5 = t_max, 0 empty.
 REQUESTS = [(3, 5), (0, 3), (1, 2), (5, 0), (4, 1)]
 T_MAX, N_PAD = 5, 2
@@ -217,16 +219,17 @@ def test_matches_reference(hist, ckpt_dtype, ring):
     check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
 
 
-@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
-@pytest.mark.parametrize("hist", ["empty", "partial", "full"])
-def test_key_head_grouping_matches_reference(hist, ckpt_dtype, ring):
+@pytest.mark.parametrize("cfg", [KEY_CFG, TWO_CFG], ids=["key_head", "two_pass"])
+@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo")])
+@pytest.mark.parametrize("hist", ["empty", "partial", "full", "overflow"])
+def test_other_groupings_match_reference(hist, ckpt_dtype, ring, cfg):
     args = make_case(11, hist, {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype], ring)
-    got = as_np(_kernel_fn(T_MAX, KEY_CFG, True)(*args))
+    got = as_np(_kernel_fn(T_MAX, cfg, True)(*args))
     exp = as_np(_ref_fn(T_MAX)(*args))
     check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
 
 
-@pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+@GROUP_CFGS
 def test_decode_t1(cfg):
     """T = 1 (the decode path) through the same kernel: every request has one token."""
     reqs = [(2, 1), (0, 1), (5, 1), (1, 0), (3, 1)]
@@ -234,6 +237,17 @@ def test_decode_t1(cfg):
     got = as_np(_kernel_fn(1, cfg, True)(*args))
     exp = as_np(_ref_fn(1)(*args))
     check_against_ref(args, got, exp, 1, 2e-5)
+
+
+@pytest.mark.parametrize("t_max", [12, 19], ids=["t12", "t19"])
+def test_two_pass_long_windows(t_max):
+    """Windows whose token tile is the coefficient kernel's own (16) or larger (32)."""
+    reqs = [(2, t_max), (0, 3), (5, t_max - 5), (1, 0), (3, 1)]
+    args = make_case(21, "partial", jnp.float32, "f32", requests=reqs, t_max=t_max, n_pad=3,
+                     shapes=dict(SMALL, L=32))
+    got = as_np(_kernel_fn(t_max, TWO_CFG, True)(*args))
+    exp = as_np(_ref_fn(t_max)(*args))
+    check_against_ref(args, got, exp, t_max, 5e-5)
 
 
 def test_dispatch_pallas_matches_kernel():
@@ -270,7 +284,7 @@ def check_stacked(cases, layer, run_stacked, run_single):
         np.testing.assert_array_equal(oracle.bits(g[others]), oracle.bits(o[others]), "ring_u other layers")
 
 
-@pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+@GROUP_CFGS
 @pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
 def test_layer_stack_in_place(ckpt_dtype, ring, cfg):
     """With `layer`, the kernel reads the checkpoint stack and writes the ring stacks at that layer
@@ -290,7 +304,7 @@ def test_layer_stack_in_place(ckpt_dtype, ring, cfg):
 POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
 
 
-@pytest.fixture(scope="module", params=[SMALL_CFG, KEY_CFG], ids=["value_head", "key_head"])
+@pytest.fixture(scope="module", params=[SMALL_CFG, KEY_CFG, TWO_CFG], ids=["value_head", "key_head", "two_pass"])
 def clean_run(request):
     args = make_case(40, "partial", jnp.float32, "f32")
     return args, request.param, as_np(_kernel_fn(T_MAX, request.param, True)(*args))
@@ -347,7 +361,8 @@ def bench_structs(batch, t_max, ckpt_dtype, hilo, ring_len=16):
 
 @pytest.mark.parametrize("t_max,ckpt_dtype,hilo,ring_len,group", [
     (8, bf16, True, 16, "value_head"), (16, jnp.float32, False, 32, "value_head"), (1, bf16, True, 16, "value_head"),
-    (32, jnp.float32, True, 64, "value_head"), (8, bf16, True, 16, "key_head"), (16, jnp.float32, False, 32, "key_head")])
+    (32, jnp.float32, True, 64, "value_head"), (8, bf16, True, 16, "key_head"), (16, jnp.float32, False, 32, "key_head"),
+    (8, bf16, True, 16, "two_pass"), (1, bf16, True, 16, "two_pass"), (32, jnp.float32, False, 64, "two_pass")])
 def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len, group):
     structs = bench_structs(128, t_max, ckpt_dtype, hilo, ring_len)
     assert kv.supports(*structs, t_max)
@@ -373,18 +388,23 @@ GPU_SHAPES = dict(H=16, HV=48, K=128, V=128, L=16, S1=12)
 GPU_REQUESTS = [(3, 8), (0, 5), (1, 2), (7, 0), (4, 1), (9, 8), (11, 3), (0, 8)]
 
 
-GPU_KEY = {jnp.float32: kv.VerifyConfig(group="key_head", block_v=64, prefetch=True),
-           bf16: kv.VerifyConfig(group="key_head", block_v=128, prefetch=True)}
+def gpu_config(group, ckpt_dtype):
+    """The default config for two_pass; the one-kernel groupings with their own fastest tiles
+    (128-wide V blocks for bf16, 64 for fp32; prefetch on for key_head)."""
+    if group == "two_pass":
+        return kv.default_config(ckpt_dtype, GPU_SHAPES["V"])
+    block_v = 64 if jnp.dtype(ckpt_dtype) == jnp.float32 else 128
+    return kv.VerifyConfig(group=group, block_v=block_v, prefetch=group == "key_head")
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("group", ["value_head", "key_head"])
+@pytest.mark.parametrize("group", kv.GROUPS)
 @pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo")])
 @pytest.mark.parametrize("hist", ["empty", "partial", "full"])
 def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
     dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
-    cfg = None if group == "value_head" else GPU_KEY[dt]
+    cfg = gpu_config(group, dt)
     args = make_case(50, hist, dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
     got = as_np(_kernel_fn(8, cfg, False)(*args))
     exp = as_np(_ref_fn(8)(*args))
@@ -405,23 +425,24 @@ def test_gpu_layer_stack_in_place(ckpt_dtype, ring):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("t_max", [1, 16])
-def test_gpu_t_max(t_max):
+@pytest.mark.parametrize("group", kv.GROUPS)
+@pytest.mark.parametrize("t_max", [1, 16, 27])
+def test_gpu_t_max(t_max, group):
     reqs = [(3, t_max), (0, 1), (1, max(1, t_max // 2)), (7, 0), (4, 1)]
     args = make_case(60, "partial", bf16, "bf16-hilo", requests=reqs, t_max=t_max, n_pad=3,
                      shapes=dict(GPU_SHAPES, L=32))
-    got = as_np(_kernel_fn(t_max, None, False)(*args))
+    got = as_np(_kernel_fn(t_max, gpu_config(group, bf16), False)(*args))
     exp = as_np(_ref_fn(t_max)(*args))
     check_against_ref(args, got, exp, t_max, 1e-4)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("group", ["value_head", "key_head"])
+@pytest.mark.parametrize("group", kv.GROUPS)
 @pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
 def test_gpu_poison_contained(field, group):
     args = make_case(70, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5,
                      shapes=GPU_SHAPES)
-    fn = _kernel_fn(8, None if group == "value_head" else GPU_KEY[jnp.float32], False)
+    fn = _kernel_fn(8, gpu_config(group, jnp.float32), False)
     o0, rk0, ru0, rg0 = as_np(fn(*args))
     check_poison(args, o0, rk0, ru0, rg0, field, np.nan, fn, 8)

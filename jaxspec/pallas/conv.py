@@ -63,10 +63,9 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# The layer-stack path (`layer=`) is tested in interpret mode and lowered for the H200, but has not
-# run on the GPU yet: until tests/test_pallas_conv.py -m gpu -k layer passes there, impl="auto"
-# hands the kernel per-layer slices (jaxspec.ops.conv.conv_verify); impl="pallas" takes the stacks.
-LAYER_STACKS_GPU_VALIDATED = False
+# The layer-stack path (`layer=`) passed tests/test_pallas_conv.py -m gpu -k layer on the H200
+# (2026-11-30): impl="auto" hands the kernel the stacks. Set False to fall back to per-layer slices.
+LAYER_STACKS_GPU_VALIDATED = True
 MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
 _MINUS_LOG2E = -1.4426950408889634
 MAX_WIDTH = 8       # largest conv width (taps); the models use 4

@@ -34,7 +34,7 @@ needs no zero-fill pass: every row of `o` is written exactly once. Two groupings
 
 Causality by selection. Every cross-token product is either a `where` (the triangular masks, the
 forward substitution) or a tensor-core dot whose left operand is exactly 0 above the diagonal by
-selection and whose right operand is made finite by selection first (`_finite`): a non-finite
+selection and whose right operand is made finite by selection first (`finite_or_zero`): a non-finite
 value at window token t then reaches no output or record of a token < t, and those are
 bit-identical to an unpoisoned run (a product 0 * finite is an exact zero). Dots over the
 feature axis (K) and over the history records never mix tokens.
@@ -65,19 +65,22 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.gdn_verify_two_pass import gdn_verify_two_pass
+from jaxspec.pallas.gdn_window_math import dot_f32, dot_stack_rows, finite_or_zero, unit_lower_inverse
 from jaxspec.pallas.tiles import is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 MAX_T = 32          # token tile <= 32: the forward substitution is unrolled and lives in registers
-GROUPS = ("value_head", "key_head")
+GROUPS = ("value_head", "key_head", "two_pass")
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyConfig:
     """Grouping, tile sizes and launch parameters.
 
-    group: "value_head" (one program per value head) or "key_head" (one program per key head,
-      looping over its value heads); see the module docstring.
+    group: "value_head" (one program per value head), "key_head" (one program per key head,
+      looping over its value heads), see the module docstring, or "two_pass" (a coefficient
+      kernel, then a streaming pass over the checkpoint: `gdn_verify_two_pass`).
     block_v: V columns per program (power of two >= 16; tl.dot needs >= 16 on every axis).
     block_k: K rows per step of the "value_head" pass over K (power of two >= 16). Chunks keep
       the dot operands and the checkpoint slice small (registers: 3 programs of 4 warps per SM).
@@ -85,6 +88,8 @@ class VerifyConfig:
       head's math (software pipelining by hand, through registers).
     num_warps: warps per program (4 = one warpgroup, the unit of Hopper's warpgroup MMA).
     num_stages: Triton software-pipelining depth of the kernel's loops.
+    coeff_warps: "two_pass" only: warps of the coefficient kernel (its tiles are [T, T]: one warp
+      keeps the forward substitution's reductions inside the warp, with no shared-memory barrier).
     pad_rows: rows per step of the padding programs' zero-fill loop.
     """
     group: str = "value_head"
@@ -94,19 +99,21 @@ class VerifyConfig:
     num_warps: int = 4
     num_stages: int = 1
     pad_rows: int = 64
+    coeff_warps: int = 1
 
     def __post_init__(self):
         if self.group not in GROUPS:
             raise ValueError(f"VerifyConfig.group={self.group!r}: must be one of {GROUPS}")
-        for name in ("block_v", "block_k", "num_warps", "pad_rows"):
+        for name in ("block_v", "block_k", "num_warps", "pad_rows", "coeff_warps"):
             val = getattr(self, name)
             if not is_pow2(val):
                 raise ValueError(f"VerifyConfig.{name}={val!r}: must be a positive power of two")
         for name in ("block_v", "block_k"):
             if getattr(self, name) < 16:
                 raise ValueError(f"VerifyConfig.{name}={getattr(self, name)}: must be >= 16 (tensor-core dot tile)")
-        if self.num_warps > 16:
-            raise ValueError(f"VerifyConfig.num_warps={self.num_warps}: must be <= 16")
+        for name in ("num_warps", "coeff_warps"):
+            if getattr(self, name) > 16:
+                raise ValueError(f"VerifyConfig.{name}={getattr(self, name)}: must be <= 16")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"VerifyConfig.num_stages={self.num_stages!r}: must be an int >= 1")
         if not isinstance(self.prefetch, bool):
@@ -114,10 +121,13 @@ class VerifyConfig:
 
 
 def default_config(ckpt_dtype, v_dim) -> VerifyConfig:
-    """The fastest measured: "value_head", 128-wide V blocks for a bf16 checkpoint, 64 for fp32
-    (same bytes and registers per tile), K chunks of 32, 4 warps, no Triton pipelining."""
-    f32 = jnp.dtype(ckpt_dtype) == jnp.float32
-    return VerifyConfig(block_v=min(64 if f32 else 128, v_dim))
+    """The fastest measured on the H200 (bench/gdn_verify_kernel.py --sweep, batch 128, T 8):
+    "two_pass" with a one-warp coefficient kernel; 128-wide V blocks and a 3-stage pipeline over
+    K chunks of 32 for a bf16 checkpoint, 64-wide blocks without pipelining for fp32 (same bytes
+    per tile)."""
+    if jnp.dtype(ckpt_dtype) == jnp.float32:
+        return VerifyConfig(group="two_pass", block_v=min(64, v_dim), block_k=32, coeff_warps=1)
+    return VerifyConfig(group="two_pass", block_v=min(128, v_dim), block_k=32, num_stages=3, coeff_warps=1)
 
 
 def _parts(ring_u):
@@ -169,61 +179,7 @@ def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_st
 
 
 # ---------------------------------------------------------------------------------------------
-# In-kernel helpers
-
-
-def _dot(a, b, trans_a=False, trans_b=False):
-    """op(a) @ op(b) to about float32 accuracy on the bf16 tensor cores (f32 accumulation).
-
-    A bfloat16 operand is exact and is not split; the small terms are summed first."""
-    a_hi, a_lo = split_bf16(a) if a.dtype == F32 else (a, None)
-    b_hi, b_lo = split_bf16(b) if b.dtype == F32 else (b, None)
-    mm = functools.partial(plgpu.dot, trans_a=trans_a, trans_b=trans_b)
-    acc = None
-    for x, y in ((a_lo, b_hi), (a_hi, b_lo)):
-        if x is not None and y is not None:
-            acc = mm(x, y) if acc is None else acc + mm(x, y)
-    main = mm(a_hi, b_hi)
-    return main if acc is None else acc + main
-
-
-def _finite(x):
-    """Non-finite entries -> 0, by selection (NaN < inf is False)."""
-    return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
-
-
-def _unit_lower_inverse(a_t, t, n_rows):
-    """(I + A)^{-1} for strictly lower A, given a_t = A^T [T, T]; rows >= n_rows of A are zero.
-
-    Forward substitution row by row, in registers: row i = e_i - sum_{j<i} A_ij row_j. Row i
-    reads rows < i only, each through a `where`, so a non-finite row of A reaches no earlier row.
-    """
-    col = t[None, :]
-    row = t[:, None]
-    inv = jnp.where(row == col, 1.0, 0.0).astype(F32)
-    for i in range(1, n_rows):
-        a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)                       # A[i, j], indexed by j
-        contrib = jnp.sum(jnp.where(row < i, a_i[:, None] * inv, 0.0), axis=0)    # sum_{j<i} A_ij inv[j, :]
-        inv = jnp.where(row == i, jnp.where(col == i, 1.0, -contrib[None, :]), inv)
-    return inv
-
-
-# ---------------------------------------------------------------------------------------------
 # Kernel
-
-
-def _dot_stack_rows(tt, half, start, n, m):
-    """Row map of the dot stack X = [k_0..k_T, 0.. ; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]
-    (2 half rows; window keys at rows [0, tt), queries at [tt, 2 tt), history keys from row half):
-    (is_k, is_q, tok_ok, x_rows, rec_ok, rec_j) with x_rows / rec_j clamped to 0 where unused."""
-    r = jnp.arange(2 * half, dtype=jnp.int32)
-    is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
-    tok = jnp.where(is_k, r, r - tt)
-    tok_ok = (is_k | is_q) & (tok < n)
-    x_rows = start + jnp.where(tok_ok, tok, 0)
-    rec_j = r - half
-    rec_ok = (r >= half) & (rec_j < m)
-    return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
 
 
 def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, ckpt_ref, rk_in, *refs,
@@ -273,7 +229,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         #   HX = h0^T X_top^T [BV, half]:    h0^T k_i, h0^T q_i
         # both on the warpgroup MMA (M >= 64) with operands in shared memory, and the checkpoint
         # is read once, chunk by chunk.
-        stack = _dot_stack_rows(tt, half, start, n, m)
+        stack = dot_stack_rows(tt, half, start, n, m)
 
         def k_step(c, carry):
             s_acc, hx = carry
@@ -281,8 +237,8 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             x_top, _ = jnp.split(x, 2, axis=0)                                          # [half, BK]
             h0 = ckpt_ref[(*lay, slot, hv, pl.ds(c * block_k, block_k), pl.ds(v0, block_v))]     # [BK, BV]
             h0 = h0 if h0.dtype == BF16 else h0.astype(F32)
-            s_acc += _dot(x, x_top, trans_b=True)
-            hx += _dot(h0, x_top, trans_a=True, trans_b=True)
+            s_acc += dot_f32(x, x_top, trans_b=True)
+            hx += dot_f32(h0, x_top, trans_a=True, trans_b=True)
             return s_acc, hx
 
         s_all, hx = jax.lax.fori_loop(
@@ -310,7 +266,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             if hilo:
                 hu = hu + plgpu.load(ru_in[1].at[at], mask=ok[:, None], other=0.0).astype(F32)
             hu = jnp.where(ok[:, None], coef_h[:, None] * hu, 0.0)
-            return _dot(hu, s_hist, trans_a=True)                                             # [BV, half]
+            return dot_f32(hu, s_hist, trans_a=True)                                             # [BV, half]
 
         hx = e_gm * hx + jax.lax.cond(m > 0, history, lambda: jnp.zeros((block_v, half), F32))
         hx_parts = jnp.split(hx, half // tt, axis=1)
@@ -323,7 +279,7 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))             # masked before exp
         a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
         p = jnp.where(incl, qk * decay, 0.0)
-        t_inv = _unit_lower_inverse(a.T, t, t_max)
+        t_inv = unit_lower_inverse(a.T, t, t_max)
 
         # Everything with a V axis is V-major [BV, T] (the transpose of the DESIGN formulas), so
         # the dots have M = block_v: wide enough for Hopper's warpgroup MMA.
@@ -331,8 +287,8 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         vt = plgpu.load(v_ref.at[rows[None, :], hv, vcols[:, None]], mask=valid[None, :],
                         other=0.0).astype(F32)                                            # [BV, T]
         rhs = beta[None, :] * (vt - eG * hk_)
-        u = _dot(_finite(rhs), t_inv, trans_b=True)                                         # U^T = rhs^T Tinv^T
-        o = eG * hq + _dot(_finite(u), p, trans_b=True)                                      # O^T
+        u = dot_f32(finite_or_zero(rhs), t_inv, trans_b=True)                                         # U^T = rhs^T Tinv^T
+        o = eG * hq + dot_f32(finite_or_zero(u), p, trans_b=True)                                      # O^T
 
         plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], o, mask=valid[None, :])
         pos = m + t
@@ -360,14 +316,14 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
         #   X = [k_0..k_T, 0..; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]     (2 half rows, all of K),
         # and S = X X_top^T (X_top = first half: window keys then queries): K K^T, Q K^T and the
         # history keys' dots with the window. One warpgroup MMA (M = 2 half >= 64) from shared memory.
-        stack = _dot_stack_rows(tt, half, start, n, m)
+        stack = dot_stack_rows(tt, half, start, n, m)
         cols = kcols[None, :]
         bk = block_k
 
         def gram_step(c, s_acc):
             x = load_stack(stack, slot, c * bk + jnp.arange(bk, dtype=jnp.int32)[None, :])
             x_top, _ = jnp.split(x, 2, axis=0)                                              # [half, BK]
-            return s_acc + _dot(x, x_top, trans_b=True)
+            return s_acc + dot_f32(x, x_top, trans_b=True)
 
         s_all = jax.lax.fori_loop(0, kd // bk, gram_step, jnp.zeros((2 * half, half), F32))
         s_top, s_hist = jnp.split(s_all, 2, axis=0)                                         # [half, half]
@@ -420,10 +376,10 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))             # masked before exp
             a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
             p = jnp.where(incl, qk * decay, 0.0)
-            t_inv = _unit_lower_inverse(a.T, t, t_max)
+            t_inv = unit_lower_inverse(a.T, t, t_max)
 
             # h_m^T x = e^{G_m} h0^T x + sum_{j<m} e^{G_m - G_j} (k_j . x) u_j  for x = k_i, q_i.
-            hx = _dot(h0, x_top, trans_a=True, trans_b=True)                                # [BV, half]
+            hx = dot_f32(h0, x_top, trans_a=True, trans_b=True)                                # [BV, half]
             e_gm = jnp.exp(jnp.sum(hg))
 
             # History dots with the weights on the small side: sum_j u_j (c_j s_j) for s = S_hist rows,
@@ -445,8 +401,8 @@ def _kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, 
             # V-major [BV, T] (the transpose of the DESIGN formulas): M = block_v for the MMA.
             eG = jnp.exp(G)[None, :]
             rhs = beta[None, :] * (vt.astype(F32) - eG * hk_)
-            u = _dot(_finite(rhs), t_inv, trans_b=True)                                     # U^T = rhs^T Tinv^T
-            o = eG * hq + _dot(_finite(u), p, trans_b=True)                                  # O^T
+            u = dot_f32(finite_or_zero(rhs), t_inv, trans_b=True)                                     # U^T = rhs^T Tinv^T
+            o = eG * hq + dot_f32(finite_or_zero(u), p, trans_b=True)                                  # O^T
 
             plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], o, mask=valid[None, :])
             u_parts = split_bf16(u) if hilo else (u,)
@@ -527,6 +483,12 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     block_v = min(cfg.block_v, vd)
     parts = _parts(ring_u)
     hilo = len(parts) == 2
+    if cfg.group == "two_pass":
+        o, ring_k2, new_parts, ring_g2 = gdn_verify_two_pass(
+            q, k, v, g, beta, ckpt, ring_k, parts, ring_g, write_pos, query_start_loc, slots, t_max,
+            block_v=block_v, block_k=min(cfg.block_k, kd), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            coeff_warps=cfg.coeff_warps, pad_rows=cfg.pad_rows, interpret=interpret, layer=layer)
+        return o, ring_k2, new_parts if hilo else new_parts[0], ring_g2
     tt = max(16, pl.next_power_of_2(t_max))
     half = max(2 * tt, ring_g.shape[-1])    # rows of each half of the dot stack (powers of two)
     kernel = functools.partial(

@@ -1,0 +1,60 @@
+"""In-kernel math shared by the GDN verify kernels (`gdn_verify`, `gdn_verify_two_pass`): the
+float32-accurate tensor-core dot, selection-based finiteness, the unit-lower-triangular inverse and
+the row map of the dot stack. Plain jnp on register tiles: lowered by the Triton backend."""
+import functools
+
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.tiles import split_bf16
+
+F32 = jnp.float32
+
+
+def dot_f32(a, b, trans_a=False, trans_b=False):
+    """op(a) @ op(b) to about float32 accuracy on the bf16 tensor cores (f32 accumulation).
+
+    A bfloat16 operand is exact and is not split; the small terms are summed first."""
+    a_hi, a_lo = split_bf16(a) if a.dtype == F32 else (a, None)
+    b_hi, b_lo = split_bf16(b) if b.dtype == F32 else (b, None)
+    mm = functools.partial(plgpu.dot, trans_a=trans_a, trans_b=trans_b)
+    acc = None
+    for x, y in ((a_lo, b_hi), (a_hi, b_lo)):
+        if x is not None and y is not None:
+            acc = mm(x, y) if acc is None else acc + mm(x, y)
+    main = mm(a_hi, b_hi)
+    return main if acc is None else acc + main
+
+
+def finite_or_zero(x):
+    """Non-finite entries -> 0, by selection (NaN < inf is False)."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
+
+
+def unit_lower_inverse(a_t, t, n_rows):
+    """(I + A)^{-1} for strictly lower A, given a_t = A^T [T, T]; rows >= n_rows of A are zero.
+
+    Forward substitution row by row, in registers: row i = e_i - sum_{j<i} A_ij row_j. Row i
+    reads rows < i only, each through a `where`, so a non-finite row of A reaches no earlier row.
+    """
+    col = t[None, :]
+    row = t[:, None]
+    inv = jnp.where(row == col, 1.0, 0.0).astype(F32)
+    for i in range(1, n_rows):
+        a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)                       # A[i, j], indexed by j
+        contrib = jnp.sum(jnp.where(row < i, a_i[:, None] * inv, 0.0), axis=0)    # sum_{j<i} A_ij inv[j, :]
+        inv = jnp.where(row == i, jnp.where(col == i, 1.0, -contrib[None, :]), inv)
+    return inv
+
+
+def dot_stack_rows(tt, half, start, n, m):
+    """Row map of the dot stack X = [k_0..k_T, 0.. ; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]
+    (2 half rows; window keys at rows [0, tt), queries at [tt, 2 tt), history keys from row half):
+    (is_k, is_q, tok_ok, x_rows, rec_ok, rec_j) with x_rows / rec_j clamped to 0 where unused."""
+    r = jnp.arange(2 * half, dtype=jnp.int32)
+    is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
+    tok = jnp.where(is_k, r, r - tt)
+    tok_ok = (is_k | is_q) & (tok < n)
+    x_rows = start + jnp.where(tok_ok, tok, 0)
+    rec_j = r - half
+    rec_ok = (r >= half) & (rec_j < m)
+    return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
