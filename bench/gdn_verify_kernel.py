@@ -165,15 +165,15 @@ def ref_fn(t):
 # then used for the whole table. The first of each dtype is the default (fastest measured so far).
 SWEEP = [
     ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=64, num_stages=2, coeff_warps=1)),
     ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=4, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=64, block_k=32, num_stages=3, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, num_warps=8, coeff_warps=1)),
+    ("bf16", dict(group="two_pass", block_v=128, block_k=64, num_stages=2, coeff_warps=1)),
+    ("bf16", dict(group="two_pass", block_v=128, block_k=64, num_stages=3, coeff_warps=1)),
+    ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=2)),
     ("bf16", dict(group="value_head", block_v=128, block_k=64)),
     ("f32", dict(group="two_pass", block_v=64, block_k=32, coeff_warps=1)),
-    ("f32", dict(group="two_pass", block_v=64, block_k=32, num_stages=3, coeff_warps=1)),
-    ("f32", dict(group="two_pass", block_v=32, block_k=32, num_stages=3, coeff_warps=1)),
     ("f32", dict(group="two_pass", block_v=128, block_k=16, num_stages=3, coeff_warps=1)),
+    ("f32", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=1)),
+    ("f32", dict(group="two_pass", block_v=64, block_k=32, num_stages=3, coeff_warps=1)),
     ("f32", dict(group="value_head", block_v=64, block_k=32)),
 ]
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}

@@ -17,6 +17,7 @@ import oracle
 from gpu_lowering import lower_for_h200
 from jaxspec.ops.gdn import gdn_verify
 from jaxspec.pallas import gdn_verify as kv
+from jaxspec.pallas import gdn_verify_two_pass as two_pass
 
 bf16 = jnp.bfloat16
 ON_GPU = jax.default_backend() == "gpu"
@@ -239,6 +240,39 @@ def test_decode_t1(cfg):
     check_against_ref(args, got, exp, 1, 2e-5)
 
 
+def coefficient_groupings(args, t_max, interpret):
+    """The two-pass coefficient kernel with one value head per program and with the r heads of a
+    key head per program, on the same inputs: (M, M_h, ring_k, ring_g) of each, as numpy."""
+    q, k, v, g, beta, ckpt, rk, ru, rg, wpos, qsl, slots = args
+    ratio = v.shape[1] // q.shape[1]
+    run = lambda hpp: [np.asarray(x) for x in jax.jit(lambda *a: two_pass.coefficients(
+        *a, t_max, block_k=16, num_warps=1, interpret=interpret, layer=None, heads_per_program=hpp))(
+        q, k, g, beta, rk, rg, wpos, qsl, slots)]
+    return run(1), run(ratio)
+
+
+def written_coefficients(args, t_max):
+    """[B] requests whose M the apply kernel reads, [B] those whose M_h it reads."""
+    wpos, qsl, slots = (np.asarray(x) for x in args[9:12])
+    real = (slots > 0) & (np.diff(qsl) > 0)
+    return real, real & (wpos[slots] > 0)
+
+
+@pytest.mark.parametrize("hist", ["empty", "partial"])
+def test_two_pass_coefficients_same_per_head_or_key_head(hist):
+    """A request's coefficients do not depend on the grouping the batch size picks: bit-identical."""
+    args = make_case(22, hist, jnp.float32, "f32")
+    (m1, mh1, rk1, rg1), (m3, mh3, rk3, rg3) = coefficient_groupings(args, T_MAX, True)
+    real, hist_rows = written_coefficients(args, T_MAX)
+    np.testing.assert_array_equal(oracle.bits(m1[real]), oracle.bits(m3[real]))
+    np.testing.assert_array_equal(oracle.bits(mh1[hist_rows]), oracle.bits(mh3[hist_rows]))
+    np.testing.assert_array_equal(oracle.bits(rk1), oracle.bits(rk3))
+    np.testing.assert_array_equal(oracle.bits(rg1), oracle.bits(rg3))
+    with pytest.raises(ValueError, match="heads_per_program"):
+        two_pass.coefficients(*(args[i] for i in (0, 1, 3, 4, 6, 8, 9, 10, 11)), T_MAX, block_k=16, num_warps=1,
+                              interpret=True, layer=None, heads_per_program=2)
+
+
 @pytest.mark.parametrize("t_max", [12, 19], ids=["t12", "t19"])
 def test_two_pass_long_windows(t_max):
     """Windows whose token tile is the coefficient kernel's own (16) or larger (32)."""
@@ -411,6 +445,18 @@ def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
     check_against_ref(args, got, exp, 8, 1e-4)
     again = as_np(_kernel_fn(8, cfg, False)(*args))           # deterministic (no race)
     np.testing.assert_array_equal(oracle.bits(got[0]), oracle.bits(again[0]))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_two_pass_coefficients_same_per_head_or_key_head():
+    args = make_case(51, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
+    (m1, mh1, rk1, rg1), (m3, mh3, rk3, rg3) = coefficient_groupings(args, 8, False)
+    real, hist_rows = written_coefficients(args, 8)
+    np.testing.assert_array_equal(oracle.bits(m1[real]), oracle.bits(m3[real]))
+    np.testing.assert_array_equal(oracle.bits(mh1[hist_rows]), oracle.bits(mh3[hist_rows]))
+    np.testing.assert_array_equal(oracle.bits(rk1), oracle.bits(rk3))
+    np.testing.assert_array_equal(oracle.bits(rg1), oracle.bits(rg3))
 
 
 @pytest.mark.gpu

@@ -13,13 +13,17 @@ Why two kernels: the one-kernel verify keeps its serial work (Gram products, for
 substitution) in the same program as the checkpoint read, so its SMs hold too few checkpoint
 bytes in flight (3 programs of ~143 registers per SM). Here
 
-  coefficients: grid (HV, B): one program per (value head, request) builds M (and M_h when the slot
-      has history) from the window's q/k/g/beta and the history keys and gates, and writes the
-      window's ring_g and ring_k records (keys once per key head). No checkpoint traffic.
+  coefficients: grid (HV / heads_per_program, B): a program computes the Gram products of the
+      window's keys and queries (and the history keys' dots with them), then for each of its value
+      heads (1, or the r heads of the key head at large batch) builds M (and M_h when the slot has
+      history) from the head's g/beta and history gates, and writes the window's ring_g and ring_k
+      records. No checkpoint traffic. Its tiles are [T, T]: one warp (VerifyConfig.coeff_warps)
+      runs it with no cross-warp barrier.
   apply: grid (V // block_v, HV, B + 1): streams ckpt[slot, hv, :, vblk] once in K chunks into
-      Z^T = h0^T X^T [block_v, 4ts] (M = block_v: warpgroup MMA), then
-      [U; O]^T = W^T M^T (+ U_hist^T M_h^T only if write_pos > 0), W = [Z; V; 0], and writes o and
-      the ring_u records. Row z = B writes the zero rows of the padding tokens.
+      Z^T = h0^T X^T [block_v, 2ts] (M = block_v: warpgroup MMA), then
+      [U; O]^T = [Z; V; 0]^T M^T (+ U_hist^T M_h^T only if write_pos > 0), two dots over the Z and
+      the V columns of M, and writes o and the ring_u records. Row z = B writes the zero rows of
+      the padding tokens.
 
 M and M_h are float32 scratch outputs of the first kernel, [B, HV, 2ts, 4ts] and [B, HV, 2ts, L]
 (2 KB + 1 KB per (request, value head) at T 8, L 16: ~6 % of the bf16 checkpoint's bytes).
@@ -39,6 +43,10 @@ from jaxspec.pallas.gdn_window_math import dot_f32, finite_or_zero, unit_lower_i
 from jaxspec.pallas.tiles import split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+# Programs of the coefficient kernel the H200 runs at once: 132 SMs x 16 one-warp programs (~123
+# registers a thread). Up to this many, one value head per program: the chain of a program (its
+# latency) is what the kernel costs; beyond, programs share a key head's Gram products.
+ONE_WAVE = 132 * 16
 
 
 def window_tile(t_max) -> int:
@@ -50,13 +58,41 @@ def window_tile(t_max) -> int:
 # Kernel 1: the window's coefficients
 
 
+def _shift(tt, ts):
+    """[tt, tt] bf16 0/1 matrix with S[i, i + ts] = 1: S @ X moves rows ts.. of X to the top."""
+    i = jnp.arange(tt, dtype=jnp.int32)
+    return jnp.where(i[None, :] == i[:, None] + ts, 1.0, 0.0).astype(BF16)
+
+
+def _window_blocks(s, ts, tt):
+    """K K^T and Q K^T as [tt, tt] tiles (zero outside the window's ts x ts block) from the Gram
+    matrix s [2ts, 2ts] of X = [k_0..k_ts; q_0..q_ts]. With ts < tt (= 2 ts) the Q K^T block is
+    moved up by a 0/1 matrix product on finite values (a non-finite entry stays in its token's
+    row or column: it is zeroed, which only changes rows that already depend on that token)."""
+    if ts == tt:
+        return (jnp.split(x, 2, axis=1)[0] for x in jnp.split(s, 2, axis=0))
+    i = jnp.arange(tt, dtype=jnp.int32)
+    in_block = (i[:, None] < ts) & (i[None, :] < ts)
+    qk = dot_f32(_shift(tt, ts), finite_or_zero(s))
+    return jnp.where(in_block, s, 0.0), jnp.where(in_block, qk, 0.0)
+
+
+def _key_query_columns(x, ts, tt):
+    """The key and query columns of x [L, 2ts] (finite) as [L, tt] tiles, zero beyond ts."""
+    if ts == tt:
+        return tuple(jnp.split(x, 2, axis=1))
+    col = jnp.arange(tt, dtype=jnp.int32)[None, :]
+    return jnp.where(col < ts, x, 0.0), jnp.where(col < ts, dot_f32(x, _shift(tt, ts), trans_b=True), 0.0)
+
+
 def _coeff_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, beta_ref, rk_in, rg_in,
-                  m_ref, mh_ref, rk_out, rg_out, *, t_max, tt, ts, ratio, block_k, layer):
+                  m_ref, mh_ref, rk_out, rg_out, *, t_max, tt, ts, ratio, heads_per_program, block_k, layer):
     n_tok, _, kd = q_ref.shape
     ring_len = rg_in.shape[-1]
     lay = () if layer is None else (jnp.int32(layer),)
-    hv, b = pl.program_id(0), pl.program_id(1)
-    kh = hv // ratio
+    prog, b = pl.program_id(0), pl.program_id(1)
+    hv0 = prog * heads_per_program                     # this program's value heads: hv0 ..
+    kh = hv0 // ratio
     start = qsl_ref[b]
     n = jnp.clip(qsl_ref[b + 1] - start, 0, t_max)
     slot = slots_ref[b]
@@ -69,84 +105,98 @@ def _coeff_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, beta_ref, r
         m = jnp.clip(wpos_ref[slot], 0, ring_len)
         pos = m + t
         rec = valid & (pos < ring_len)
-        # X_top = [k_0..k_tt; q_0..q_tt] (2 tt rows): its Gram matrix gives K K^T and Q K^T.
-        r = jnp.arange(2 * tt, dtype=jnp.int32)
-        is_k = r < tt
-        tok = jnp.where(is_k, r, r - tt)
+        # Key-head part, once for the r value heads: the Gram matrix of X = [k_0..k_ts; q_0..q_ts]
+        # (2 ts rows: no padding rows for T <= 8) and the history keys' dots with X.
+        r = jnp.arange(2 * ts, dtype=jnp.int32)
+        is_k = r < ts
+        tok = jnp.where(is_k, r, r - ts)
         x_rows = start + jnp.where(tok < n, tok, 0)
 
-        def load_top(cols):
+        def load_x(cols):
             xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(is_k & (tok < n))[:, None], other=0.0)
             xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(~is_k & (tok < n))[:, None], other=0.0)
-            return jnp.where(is_k[:, None], xk.astype(F32), xq.astype(F32))               # [2tt, BK]
+            return jnp.where(is_k[:, None], xk.astype(F32), xq.astype(F32))                # [2ts, BK]
 
         def chunk(i):
             return i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
 
         def gram_step(i, s_acc):
-            x = load_top(chunk(i))
+            x = load_x(chunk(i))
             return s_acc + dot_f32(x, x, trans_b=True)
 
-        s_top = jax.lax.fori_loop(0, kd // block_k, gram_step, jnp.zeros((2 * tt, 2 * tt), F32))
-        kk, qk = (jnp.split(x, 2, axis=1)[0] for x in jnp.split(s_top, 2, axis=0))        # [T, T]
+        s_win = jax.lax.fori_loop(0, kd // block_k, gram_step, jnp.zeros((2 * ts, 2 * ts), F32))
+        kk, qk = _window_blocks(s_win, ts, tt)                                          # [T, T]
 
-        g = plgpu.load(g_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
-        beta = plgpu.load(beta_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
-        row, col = t[:, None], t[None, :]
-        incl, strict = col <= row, col < row
-        G = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)                          # inclusive cumsum
-        decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))             # masked before exp
-        a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
-        p = jnp.where(incl, qk * decay, 0.0)
-        t_inv = unit_lower_inverse(a.T, t, t_max)
-        eG = jnp.exp(G)
-        d = jnp.where(incl, t_inv * beta[None, :], 0.0)                                 # D = Tinv diag(beta)
-        de = jnp.where(incl, d * eG[None, :], 0.0)                                      # D E
-        pd = dot_f32(p, finite_or_zero(d))
-        pde = jnp.where(incl, pd * eG[None, :], 0.0)                                    # P D E
-
-        # History: e^{G_m} scales the checkpoint columns; c_j = e^{G_m - G_j} = e^{sum_{j<l<m} g_l}.
         jh = jnp.arange(ring_len, dtype=jnp.int32)
         live = jh < m
-        hg = plgpu.load(rg_in.at[(*lay, slot, hv, jnp.where(live, jh, 0))], mask=live, other=0.0).astype(F32)
-        e_gm = jnp.exp(jnp.sum(hg))
-        suffix = jnp.sum(jnp.where(jh[None, :] > jh[:, None], hg[None, :], 0.0), axis=1)
-        c = jnp.where(live, jnp.exp(suffix), 0.0)
 
-        # M [2ts, 4ts]: rows U then O (ts each), columns Z_k, Z_q, V, 0 (ts each). Each [tt, tt]
-        # block goes to its place through a masked store (tt >= ts; rows/cols >= ts are dropped).
-        r_ok = (t < ts)[:, None] & (t < ts)[None, :]
-        zero = jnp.zeros((tt, tt), F32)
-        diag_e = jnp.where(row == col, e_gm * eG[None, :], 0.0)
-        blocks = ((0, 0, -e_gm * de), (0, 1, zero), (0, 2, d), (0, 3, zero),
-                  (1, 0, -e_gm * pde), (1, 1, diag_e), (1, 2, pd), (1, 3, zero))
-        for bi, bj, blk in blocks:
-            plgpu.store(m_ref.at[b, hv, (bi * ts + t)[:, None], (bj * ts + t)[None, :]], blk, mask=r_ok)
-
-        @pl.when(m > 0)
-        def _history():
-            def hist_step(i, acc):                       # [L, 2tt]: k_hist_j . x
+        def history_gram():                              # [L, 2ts]: k_hist_j . x
+            def step(i, acc):
                 xh = plgpu.load(rk_in.at[(*lay, slot, kh, jnp.where(live, jh, 0)[:, None], chunk(i))],
                                 mask=live[:, None], other=0.0)
-                return acc + dot_f32(xh.astype(F32), load_top(chunk(i)), trans_b=True)
+                return acc + dot_f32(xh.astype(F32), load_x(chunk(i)), trans_b=True)
+            return jax.lax.fori_loop(0, kd // block_k, step, jnp.zeros((ring_len, 2 * ts), F32))
 
-            s_hist = jax.lax.fori_loop(0, kd // block_k, hist_step, jnp.zeros((ring_len, 2 * tt), F32))
-            hc_t = jnp.where(live[:, None], c[:, None] * s_hist, 0.0)                # Hc^T [L, 2tt]
-            hck_t, hcq_t = (finite_or_zero(x) for x in jnp.split(hc_t, 2, axis=1))   # [L, T]
-            mh_u = -dot_f32(finite_or_zero(de), hck_t, trans_b=True)                  # [T, L]
-            mh_o = eG[:, None] * hcq_t.T - dot_f32(finite_or_zero(pde), hck_t, trans_b=True)
-            ok = (t < ts)[:, None]
-            plgpu.store(mh_ref.at[b, hv, t[:, None], jh[None, :]], mh_u, mask=ok)
-            plgpu.store(mh_ref.at[b, hv, (ts + t)[:, None], jh[None, :]], mh_o, mask=ok)
+        s_hist = jax.lax.cond(m > 0, history_gram, lambda: jnp.zeros((ring_len, 2 * ts), F32))
+        hk_t, hq_t = _key_query_columns(finite_or_zero(s_hist), ts, tt)                 # [L, T]
+        row, col = t[:, None], t[None, :]
+        incl, strict = col <= row, col < row
+        zero = jnp.zeros((tt, tt), F32)
+        ti = jnp.arange(ts, dtype=jnp.int32)
+        top = (lambda x: jnp.split(x, tt // ts, axis=0)[0]) if ts < tt else (lambda x: x)   # rows < ts
 
-        plgpu.store(rg_out.at[(*lay, slot, hv, pos)], g, mask=rec)
+        def head(j, carry):
+            hv = hv0 + j
+            g = plgpu.load(g_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
+            beta = plgpu.load(beta_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
+            G = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)                      # inclusive cumsum
+            decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))         # masked before exp
+            a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
+            p = jnp.where(incl, qk * decay, 0.0)
+            t_inv = unit_lower_inverse(a.T, t, t_max)
+            eG = jnp.exp(G)
+            d = jnp.where(incl, t_inv * beta[None, :], 0.0)                             # D = Tinv diag(beta)
+            de = jnp.where(incl, d * eG[None, :], 0.0)                                  # D E
+            pd = dot_f32(p, finite_or_zero(d))
+            pde = jnp.where(incl, pd * eG[None, :], 0.0)                                # P D E
 
-        @pl.when(hv % ratio == 0)
-        def _keys():   # one writer per key head
-            kcols = jnp.arange(kd, dtype=jnp.int32)[None, :]
-            xk = plgpu.load(k_ref.at[rows[:, None], kh, kcols], mask=valid[:, None], other=0.0)
-            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], kcols)], xk.astype(rk_out.dtype),
+            # History: e^{G_m} scales the checkpoint columns; c_j = e^{G_m - G_j} = e^{sum_{j<l<m} g_l}.
+            hg = plgpu.load(rg_in.at[(*lay, slot, hv, jnp.where(live, jh, 0))], mask=live, other=0.0).astype(F32)
+            e_gm = jnp.exp(jnp.sum(hg))
+
+            # M [2ts, 4ts]: rows U then O (ts each), columns Z_k, Z_q, V, 0 (ts each). The first ts
+            # rows of each [tt, tt] block go to their place through a store masked to columns < ts.
+            diag_e = jnp.where(row == col, e_gm * eG[None, :], 0.0)
+            blocks = ((0, 0, -e_gm * de), (0, 1, zero), (0, 2, d), (0, 3, zero),
+                      (1, 0, -e_gm * pde), (1, 1, diag_e), (1, 2, pd), (1, 3, zero))
+            for bi, bj, blk in blocks:
+                plgpu.store(m_ref.at[b, hv, (bi * ts + ti)[:, None], (bj * ts + t)[None, :]], top(blk),
+                            mask=(t < ts)[None, :])
+
+            @pl.when(m > 0)
+            def _history():                               # M_h [2ts, L] with Hc = X K_hist^T diag(c)
+                suffix = jnp.sum(jnp.where(jh[None, :] > jh[:, None], hg[None, :], 0.0), axis=1)
+                c = jnp.where(live, jnp.exp(suffix), 0.0)[:, None]
+                hck_t, hcq_t = c * hk_t, c * hq_t                                      # Hc^T [L, T]
+                mh_u = -dot_f32(finite_or_zero(de), hck_t, trans_b=True)               # [T, L]
+                mh_o = eG[:, None] * hcq_t.T - dot_f32(finite_or_zero(pde), hck_t, trans_b=True)
+                plgpu.store(mh_ref.at[b, hv, ti[:, None], jh[None, :]], top(mh_u))
+                plgpu.store(mh_ref.at[b, hv, (ts + ti)[:, None], jh[None, :]], top(mh_o))
+
+            plgpu.store(rg_out.at[(*lay, slot, hv, pos)], g, mask=rec)
+            return carry
+
+        jax.lax.fori_loop(0, heads_per_program, head, 0)
+
+        def key_records(i, carry):                         # in K chunks: small register tiles
+            xk = plgpu.load(k_ref.at[rows[:, None], kh, chunk(i)], mask=valid[:, None], other=0.0)
+            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], chunk(i))], xk.astype(rk_out.dtype),
                         mask=rec[:, None])
+            return carry
+
+        @pl.when(hv0 % ratio == 0)
+        def _keys():                                       # one writer per key head
+            jax.lax.fori_loop(0, kd // block_k, key_records, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,29 +245,31 @@ def _apply_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, ckpt_ref, m
         @pl.when((slot > 0) & (n > 0))
         def _verify():
             m = jnp.clip(wpos_ref[slot], 0, ring_len)
-            # W rows: [k_0..k_ts; q_0..q_ts] (Z = X h0), then v_0..v_ts, then zeros: 4 ts rows.
-            r = jnp.arange(4 * ts, dtype=jnp.int32)
-            is_k, is_q, is_v = r < ts, (r >= ts) & (r < 2 * ts), (r >= 2 * ts) & (r < 3 * ts)
+            # X rows: [k_0..k_ts; q_0..q_ts] (Z = X h0); the V columns of M take v_0..v_ts (ts zeros after).
+            r = jnp.arange(2 * ts, dtype=jnp.int32)
+            is_k = r < ts
             tok = r % ts
-            tok_ok = tok < n
-            x_rows = start + jnp.where(tok_ok, tok, 0)
+            x_rows = start + jnp.where(tok < n, tok, 0)
 
             def k_step(i, zt):
                 cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-                xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_k)[:, None], other=0.0)
-                xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(tok_ok & is_q)[:, None], other=0.0)
-                x = jnp.where(is_k[:, None], xk, xq)                                    # [4ts, BK]
+                xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(is_k & (tok < n))[:, None], other=0.0)
+                xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(~is_k & (tok < n))[:, None], other=0.0)
+                x = jnp.where(is_k[:, None], xk, xq)                                    # [2ts, BK]
                 x = x if x.dtype == BF16 else x.astype(F32)
                 h0 = ckpt_ref[(*lay, slot, hv, pl.ds(i * block_k, block_k), pl.ds(vb * block_v, block_v))]
                 h0 = h0 if h0.dtype == BF16 else h0.astype(F32)                         # [BK, BV]
-                return zt + dot_f32(h0, x, trans_a=True, trans_b=True)                      # [BV, 4ts]
+                return zt + dot_f32(h0, x, trans_a=True, trans_b=True)                  # [BV, 2ts]
 
-            zt = jax.lax.fori_loop(0, kd // block_k, k_step, jnp.zeros((block_v, 4 * ts), F32))
-            vt = plgpu.load(v_ref.at[x_rows[None, :], hv, vcols[:, None]], mask=(tok_ok & is_v)[None, :],
-                            other=0.0).astype(F32)                                       # [BV, 4ts]
-            wt = jnp.where(is_v[None, :], finite_or_zero(vt), finite_or_zero(zt))
-            mat = m_ref[bi, hv, :, :]                                                   # [2ts, 4ts]
-            yt = dot_f32(wt, mat, trans_b=True)                                            # [BV, 2ts]
+            zt = jax.lax.fori_loop(0, kd // block_k, k_step, jnp.zeros((block_v, 2 * ts), F32))
+            v_ok = (r < ts) & (r < n)
+            vt = plgpu.load(v_ref.at[jnp.where(v_ok, start + r, 0)[None, :], hv, vcols[:, None]],
+                            mask=v_ok[None, :], other=0.0)                              # [BV, 2ts]
+            vt = vt if vt.dtype == BF16 else vt.astype(F32)
+            m_z = m_ref[bi, hv, :, pl.ds(0, 2 * ts)]                                    # [2ts, 2ts]
+            m_v = m_ref[bi, hv, :, pl.ds(2 * ts, 2 * ts)]                               # [2ts, 2ts], cols >= ts: 0
+            yt = (dot_f32(finite_or_zero(zt), m_z, trans_b=True)
+                  + dot_f32(finite_or_zero(vt), m_v, trans_b=True))                     # [BV, 2ts]
 
             def history():
                 jh = jnp.arange(ring_len, dtype=jnp.int32)
@@ -244,10 +296,14 @@ def _apply_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, ckpt_ref, m
 
 
 def coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slots, t_max, *, block_k,
-                 num_warps, interpret, layer):
+                 num_warps, interpret, layer, heads_per_program=None):
     """Kernel 1: (M [B, HV, 2ts, 4ts], M_h [B, HV, 2ts, L], ring_k', ring_g') float32, the window's
     key and gate records written. Rows of requests with slot 0 or no tokens (and M_h of requests
-    without history) are left unwritten: the apply kernel does not read them."""
+    without history) are left unwritten: the apply kernel does not read them.
+
+    heads_per_program: value heads per program, 1 or r = HV / H (the Gram products are then shared
+    by the r heads of a key head). Default: 1 while B * HV one-warp programs fit in one wave on the
+    H200 (ONE_WAVE), r beyond. Each head's arithmetic is the same either way: M is bit-identical."""
     n_tok, h, kd = q.shape
     hv = g.shape[1]
     num_requests = slots.shape[0]
@@ -255,11 +311,16 @@ def coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slot
     ts = window_tile(t_max)
     tt = max(16, ts)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-    kernel = functools.partial(_coeff_kernel, t_max=t_max, tt=tt, ts=ts, ratio=hv // h, block_k=block_k,
-                               layer=layer)
+    ratio = hv // h
+    if heads_per_program is None:
+        heads_per_program = 1 if num_requests * hv <= ONE_WAVE else ratio
+    if heads_per_program not in (1, ratio):
+        raise ValueError(f"heads_per_program={heads_per_program}: must be 1 or HV / H = {ratio}")
+    kernel = functools.partial(_coeff_kernel, t_max=t_max, tt=tt, ts=ts, ratio=ratio,
+                               heads_per_program=heads_per_program, block_k=block_k, layer=layer)
     return pl.pallas_call(
         kernel,
-        grid=(hv, num_requests),
+        grid=(hv // heads_per_program, num_requests),
         out_shape=(jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, 4 * ts), F32),
                    jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, ring_len), F32),
                    jax.ShapeDtypeStruct(ring_k.shape, ring_k.dtype),
