@@ -194,6 +194,10 @@ def test_config_validation():
         kv.VerifyConfig(block_v=8)
     with pytest.raises(ValueError, match="prefetch"):
         kv.VerifyConfig(prefetch=1)
+    with pytest.raises(ValueError, match="coeff_warps"):
+        kv.VerifyConfig(coeff_warps=32)
+    with pytest.raises(ValueError, match="coeff_warps"):
+        kv.VerifyConfig(coeff_warps=3)
     with pytest.raises(ValueError, match="num_warps"):
         kv.VerifyConfig(num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):
