@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.gdn_window_math import dot_f32, finite_or_zero, unit_lower_inverse
+from jaxspec.pallas.gdn_window_math import (dot_f32, finite_or_zero, request_window, unit_lower_inverse,
+                                            zero_padding_rows)
 from jaxspec.pallas.tiles import split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -217,25 +218,11 @@ def _apply_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, ckpt_ref, m
 
     @pl.when(b == num_requests)
     def _padding_rows():
-        first = qsl_ref[num_requests]
-        steps = (n_tok - first + pad_rows - 1) // pad_rows
-        zeros = jnp.zeros((pad_rows, block_v), F32)
-
-        def body(i, carry):
-            rows = first + i * pad_rows + jnp.arange(pad_rows, dtype=jnp.int32)
-            plgpu.store(o_ref.at[rows[:, None], hv, vcols[None, :]], zeros, mask=(rows < n_tok)[:, None])
-            return carry
-
-        jax.lax.fori_loop(0, jnp.maximum(steps, 0), body, 0)
+        zero_padding_rows(o_ref, qsl_ref, num_requests, [hv], vcols, pad_rows)
 
     @pl.when(b < num_requests)
     def _request():
-        bi = jnp.minimum(b, num_requests - 1)
-        start = qsl_ref[bi]
-        n = jnp.clip(qsl_ref[bi + 1] - start, 0, t_max)
-        slot = slots_ref[bi]
-        rows = start + t
-        valid = (t < n) & (rows < n_tok)
+        bi, start, n, slot, rows, valid = request_window(qsl_ref, slots_ref, b, num_requests, t_max, t, n_tok)
 
         @pl.when((slot <= 0) & (n > 0))
         def _null_slot():

@@ -1,8 +1,10 @@
-"""In-kernel math shared by the GDN verify kernels (`gdn_verify`, `gdn_verify_two_pass`): the
-float32-accurate tensor-core dot, selection-based finiteness, the unit-lower-triangular inverse and
-the row map of the dot stack. Plain jnp on register tiles: lowered by the Triton backend."""
+"""In-kernel pieces shared by the GDN verify kernels (`gdn_verify`, `gdn_verify_two_pass`): the
+float32-accurate tensor-core dot, selection-based finiteness, the unit-lower-triangular inverse,
+the row map of the dot stack, a request's window and the zero rows of the padding tokens. Plain
+jnp on register tiles: lowered by the Triton backend."""
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas.tiles import split_bf16
@@ -58,3 +60,30 @@ def dot_stack_rows(tt, half, start, n, m):
     rec_j = r - half
     rec_ok = (r >= half) & (rec_j < m)
     return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
+
+
+def request_window(qsl_ref, slots_ref, b, num_requests, t_max, t, n_tok):
+    """(bi, start, n, slot, rows, valid) of request b (clamped to a real index): its first packed
+    row, its length (clipped to t_max), its slot, and the token rows start + t with their mask."""
+    bi = jnp.minimum(b, num_requests - 1)
+    start = qsl_ref[bi]
+    n = jnp.clip(qsl_ref[bi + 1] - start, 0, t_max)
+    rows = start + t
+    return bi, start, n, slots_ref[bi], rows, (t < n) & (rows < n_tok)
+
+
+def zero_padding_rows(o_ref, qsl_ref, num_requests, heads, vcols, pad_rows):
+    """Write zeros to o[rows >= query_start_loc[B], head, vcols] for each head, pad_rows at a time
+    (the padding tokens after the last request; every row of o is then written exactly once)."""
+    n_tok = o_ref.shape[0]
+    first = qsl_ref[num_requests]
+    steps = (n_tok - first + pad_rows - 1) // pad_rows
+    zeros = jnp.zeros((pad_rows, vcols.shape[0]), F32)
+
+    def body(i, carry):
+        rows = first + i * pad_rows + jnp.arange(pad_rows, dtype=jnp.int32)
+        for h in heads:
+            plgpu.store(o_ref.at[rows[:, None], h, vcols[None, :]], zeros, mask=(rows < n_tok)[:, None])
+        return carry
+
+    jax.lax.fori_loop(0, jnp.maximum(steps, 0), body, 0)
