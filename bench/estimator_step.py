@@ -20,6 +20,8 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
   bytes (read once) / copy bandwidth measured in the same run (jitted x + 1 over 1 GiB, read + write
   counted; or a torch copy from `--torch-copy` in an earlier process, as in topk_kernel.py).
 - `features+predict+observe V=...`: the whole per-step estimator work, full vocabulary.
+- each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass) and
+  "pallas" (jaxspec/pallas/features.py: one pass with an online maximum).
 - the same with a small vocabulary (--small-vocab, 260: the tiny byte-level models) to isolate the
   estimator math from the logits read.
 
@@ -59,6 +61,7 @@ def parse(argv=None):
     ap.add_argument("--rotate-mib", type=float, default=256, help="rotate input sets up to this many MiB")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
+    ap.add_argument("--features-impls", default="ref,pallas", help="features implementations to time")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -190,22 +193,23 @@ def main(args):
                 temperature = jnp.full((b,), temp, jnp.float32)
                 floor_us = nbytes / bw * 1e6
 
-                def feat(acc, xs):
-                    return acc + jnp.sum(est.features(xs, temperature))
+                for impl in args.features_impls.split(","):
+                    def feat(acc, xs):
+                        return acc + jnp.sum(est.features(xs, temperature, impl=impl))
 
-                def full(state, xs):
-                    lg, ver, acc = xs
-                    xk = est.features(lg, temperature)
-                    _, s = est.predict(state, xk)
-                    state = est.observe(state, xk, ver, acc)
-                    return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
-                if vocab == args.vocab:
-                    add(batch=b, positions=p, case="features", vocab=vocab, sets=n_sets, floor_us=floor_us,
-                        us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
-                times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
-                         for interval in (10**9, args.refit_interval)}
-                add(batch=b, positions=p, case="features+predict+observe", vocab=vocab, sets=n_sets,
-                    floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
+                    def full(state, xs):
+                        lg, ver, acc = xs
+                        xk = est.features(lg, temperature, impl=impl)
+                        _, s = est.predict(state, xk)
+                        state = est.observe(state, xk, ver, acc)
+                        return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
+                    if vocab == args.vocab:
+                        add(batch=b, positions=p, case=f"features ({impl})", vocab=vocab, sets=n_sets,
+                            floor_us=floor_us, us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
+                    times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
+                             for interval in (10**9, args.refit_interval)}
+                    add(batch=b, positions=p, case=f"features ({impl})+predict+observe", vocab=vocab, sets=n_sets,
+                        floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
                 del logits
 
     lines = dump()

@@ -38,6 +38,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.ops.dispatch import use_kernel
+from jaxspec.pallas import features as pallas_features
+
 FEATURE_CLAMP = 40.0     # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
 MAX_SLOPE_HALVINGS = 8
 
@@ -113,7 +116,7 @@ def init(num_positions: int, *, slope: float = 0.5, intercept: float | Sequence[
 # --------------------------------------------------------------------------------- feature
 
 
-def features(draft_logits: jax.Array, temperature) -> jax.Array:
+def features(draft_logits: jax.Array, temperature, *, impl: str = "auto") -> jax.Array:
     """x = logit(q_max) of the temperature-scaled draft distribution: [..., P, V] -> [..., P].
 
     ``temperature`` broadcasts against ``draft_logits.shape[:-2]`` (one value per row, or a
@@ -125,7 +128,20 @@ def features(draft_logits: jax.Array, temperature) -> jax.Array:
     where the sum over the non-maximal entries is taken directly (tied maxima each add 1), so
     there is no cancellation in 1 - q_max even when q_max rounds to 1. Non-finite logits give a
     non-finite feature (which `observe` ignores and `predict` treats as least confident).
+
+    impl: "auto" (the one-pass Pallas kernel on a GPU once it is validated there, else jnp),
+    "ref" (jnp: a max pass and an exp-sum pass) or "pallas" (`jaxspec.pallas.features`).
     """
+    if use_kernel("features", impl, lambda: pallas_features.supports(draft_logits, temperature)) and (
+            impl == "pallas" or pallas_features.GPU_VALIDATED):
+        x = pallas_features.feature_logits(draft_logits, temperature)
+    else:
+        x = _feature_logits(draft_logits, temperature)
+    return jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP)
+
+
+def _feature_logits(draft_logits, temperature):
+    """The jnp form of `features` before the clamp (two passes over the logits)."""
     z = jnp.asarray(draft_logits).astype(jnp.float32)
     t = jnp.asarray(temperature, jnp.float32)
     t = jnp.where(t > 0, t, 1.0)
@@ -136,8 +152,7 @@ def features(draft_logits: jax.Array, temperature) -> jax.Array:
     ties = jnp.sum(is_max, axis=-1).astype(jnp.float32)
     # all -inf rows: z - zmax is nan, but every entry is a "maximum" and is selected away
     rest = jnp.sum(jnp.where(is_max, 0.0, jnp.exp(z - zmax)), axis=-1) + (ties - 1.0)
-    x = -jnp.log(rest)
-    return jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP)
+    return -jnp.log(rest)
 
 
 # -------------------------------------------------------------------------- predict/observe
