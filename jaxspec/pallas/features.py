@@ -18,6 +18,7 @@ Grid (rows, splits): a program owns a contiguous span of one row (whole blocks; 
 masked explicitly: the Triton lowering does not mask overhanging blocks). With few rows the
 vocabulary is split so that rows x splits >= `min_programs` programs keep the SMs busy; the
 partials [rows, splits, 4] (m, s, c, NaN count) are merged by the same rule in a small jnp epilogue.
+With one split (many rows, or a small vocabulary) each program writes x itself: one launch.
 """
 import dataclasses
 import functools
@@ -75,7 +76,7 @@ def _merge(m, s, c, b, s_b, c_b):
     return new, s, c
 
 
-def _kernel(logits_ref, temp_ref, out_ref, *, block_v, steps, span):
+def _kernel(logits_ref, temp_ref, out_ref, *, block_v, steps, span, final):
     row, split = pl.program_id(0), pl.program_id(1)
     vocab = logits_ref.shape[1]
     t = temp_ref[row]
@@ -99,8 +100,12 @@ def _kernel(logits_ref, temp_ref, out_ref, *, block_v, steps, span):
 
     zero = jnp.float32(0.0)
     m, s, c, nans = jax.lax.fori_loop(0, steps, step, (jnp.float32(-jnp.inf), zero, zero, zero))
-    k = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
-    out_ref[...] = jnp.where(k == 0, m, jnp.where(k == 1, s, jnp.where(k == 2, c, nans)))
+    if final:        # the whole row in this program: x itself, no partials and no second launch
+        x = jnp.where(nans > 0, jnp.nan, -jnp.log(s + (c - 1.0)))
+        out_ref[...] = jnp.full((1,), x, jnp.float32)
+    else:
+        k = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
+        out_ref[...] = jnp.where(k == 0, m, jnp.where(k == 1, s, jnp.where(k == 2, c, nans)))
 
 
 def _combine(parts):
@@ -130,14 +135,21 @@ def feature_logits(draft_logits, temperature, *, config: FeaturesConfig | None =
     blocks = pl.cdiv(vocab, block_v)
     splits = max(1, min(blocks, pl.cdiv(cfg.min_programs, max(rows, 1))))
     steps = pl.cdiv(blocks, splits)
-    kernel = functools.partial(_kernel, block_v=block_v, steps=steps, span=steps * block_v)
-    parts = pl.pallas_call(
+    final = splits == 1
+    kernel = functools.partial(_kernel, block_v=block_v, steps=steps, span=steps * block_v, final=final)
+    if final:
+        out_specs = pl.BlockSpec((1,), lambda r, j: (r,))
+        out_shape = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    else:
+        out_specs = pl.BlockSpec((1, 1, 4), lambda r, j: (r, j, 0))
+        out_shape = jax.ShapeDtypeStruct((rows, splits, 4), jnp.float32)
+    out = pl.pallas_call(
         kernel,
         grid=(rows, splits),
-        out_specs=pl.BlockSpec((1, 1, 4), lambda r, j: (r, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((rows, splits, 4), jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         name="estimator_features",
     )(draft_logits.reshape(rows, vocab), temp)
-    return _combine(parts).reshape(shape[:-1])
+    return (out if final else _combine(out)).reshape(shape[:-1])
