@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.gdn_window_math import (dot_f32, finite_or_zero, request_window, unit_lower_inverse,
-                                            zero_padding_rows)
+from jaxspec.pallas.gdn_window_math import (dot_f32, finite_or_zero, load_window_rows, request_window,
+                                            unit_lower_inverse, zero_padding_rows)
 from jaxspec.pallas.tiles import split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -94,12 +94,8 @@ def _coeff_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, beta_ref, r
     prog, b = pl.program_id(0), pl.program_id(1)
     hv0 = prog * heads_per_program                     # this program's value heads: hv0 ..
     kh = hv0 // ratio
-    start = qsl_ref[b]
-    n = jnp.clip(qsl_ref[b + 1] - start, 0, t_max)
-    slot = slots_ref[b]
     t = jnp.arange(tt, dtype=jnp.int32)
-    rows = start + t
-    valid = (t < n) & (rows < n_tok)
+    _, start, n, slot, rows, valid = request_window(qsl_ref, slots_ref, b, slots_ref.shape[0], t_max, t, n_tok)
 
     @pl.when((slot > 0) & (n > 0))
     def _request():
@@ -108,15 +104,8 @@ def _coeff_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, beta_ref, r
         rec = valid & (pos < ring_len)
         # Key-head part, once for the r value heads: the Gram matrix of X = [k_0..k_ts; q_0..q_ts]
         # (2 ts rows: no padding rows for T <= 8) and the history keys' dots with X.
-        r = jnp.arange(2 * ts, dtype=jnp.int32)
-        is_k = r < ts
-        tok = jnp.where(is_k, r, r - ts)
-        x_rows = start + jnp.where(tok < n, tok, 0)
-
         def load_x(cols):
-            xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(is_k & (tok < n))[:, None], other=0.0)
-            xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(~is_k & (tok < n))[:, None], other=0.0)
-            return jnp.where(is_k[:, None], xk.astype(F32), xq.astype(F32))                # [2ts, BK]
+            return load_window_rows(k_ref, q_ref, start, n, kh, ts, cols).astype(F32)     # [2ts, BK]
 
         def chunk(i):
             return i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
@@ -233,22 +222,16 @@ def _apply_kernel(qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, ckpt_ref, m
         def _verify():
             m = jnp.clip(wpos_ref[slot], 0, ring_len)
             # X rows: [k_0..k_ts; q_0..q_ts] (Z = X h0); the V columns of M take v_0..v_ts (ts zeros after).
-            r = jnp.arange(2 * ts, dtype=jnp.int32)
-            is_k = r < ts
-            tok = r % ts
-            x_rows = start + jnp.where(tok < n, tok, 0)
-
             def k_step(i, zt):
                 cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-                xk = plgpu.load(k_ref.at[x_rows[:, None], kh, cols], mask=(is_k & (tok < n))[:, None], other=0.0)
-                xq = plgpu.load(q_ref.at[x_rows[:, None], kh, cols], mask=(~is_k & (tok < n))[:, None], other=0.0)
-                x = jnp.where(is_k[:, None], xk, xq)                                    # [2ts, BK]
+                x = load_window_rows(k_ref, q_ref, start, n, kh, ts, cols)               # [2ts, BK]
                 x = x if x.dtype == BF16 else x.astype(F32)
                 h0 = ckpt_ref[(*lay, slot, hv, pl.ds(i * block_k, block_k), pl.ds(vb * block_v, block_v))]
                 h0 = h0 if h0.dtype == BF16 else h0.astype(F32)                         # [BK, BV]
                 return zt + dot_f32(h0, x, trans_a=True, trans_b=True)                  # [BV, 2ts]
 
             zt = jax.lax.fori_loop(0, kd // block_k, k_step, jnp.zeros((block_v, 2 * ts), F32))
+            r = jnp.arange(2 * ts, dtype=jnp.int32)
             v_ok = (r < ts) & (r < n)
             vt = plgpu.load(v_ref.at[jnp.where(v_ok, start + r, 0)[None, :], hv, vcols[:, None]],
                             mask=v_ok[None, :], other=0.0)                              # [BV, 2ts]

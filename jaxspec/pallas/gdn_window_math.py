@@ -62,6 +62,18 @@ def dot_stack_rows(tt, half, start, n, m):
     return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
 
 
+def load_window_rows(k_ref, q_ref, start, n, kh, ts, cols):
+    """Rows [k_0..k_ts; q_0..q_ts] of key head kh at columns `cols` ([1, C]): [2 ts, C] in the
+    inputs' dtype, zero rows for tokens >= n (masked loads: no traffic for them)."""
+    r = jnp.arange(2 * ts, dtype=jnp.int32)
+    is_k = r < ts
+    tok = r % ts
+    rows = (start + jnp.where(tok < n, tok, 0))[:, None]
+    xk = plgpu.load(k_ref.at[rows, kh, cols], mask=(is_k & (tok < n))[:, None], other=0.0)
+    xq = plgpu.load(q_ref.at[rows, kh, cols], mask=(~is_k & (tok < n))[:, None], other=0.0)
+    return jnp.where(is_k[:, None], xk, xq)
+
+
 def request_window(qsl_ref, slots_ref, b, num_requests, t_max, t, n_tok):
     """(bi, start, n, slot, rows, valid) of request b (clamped to a real index): its first packed
     row, its length (clipped to t_max), its slot, and the token rows start + t with their mask."""
