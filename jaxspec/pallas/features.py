@@ -76,6 +76,11 @@ def _merge(m, s, c, b, s_b, c_b):
     return new, s, c
 
 
+def _feature(rest, ties, nans):
+    """x = -log(rest + ties - 1) from the merged sums; NaN where the row held a NaN."""
+    return jnp.where(nans > 0, jnp.nan, -jnp.log(rest + (ties - 1.0)))
+
+
 def _kernel(logits_ref, temp_ref, out_ref, *, block_v, steps, span, final):
     row, split = pl.program_id(0), pl.program_id(1)
     vocab = logits_ref.shape[1]
@@ -101,8 +106,7 @@ def _kernel(logits_ref, temp_ref, out_ref, *, block_v, steps, span, final):
     zero = jnp.float32(0.0)
     m, s, c, nans = jax.lax.fori_loop(0, steps, step, (jnp.float32(-jnp.inf), zero, zero, zero))
     if final:        # the whole row in this program: x itself, no partials and no second launch
-        x = jnp.where(nans > 0, jnp.nan, -jnp.log(s + (c - 1.0)))
-        out_ref[...] = jnp.full((1,), x, jnp.float32)
+        out_ref[...] = jnp.full((1,), _feature(s, c, nans), jnp.float32)
     else:
         k = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
         out_ref[...] = jnp.where(k == 0, m, jnp.where(k == 1, s, jnp.where(k == 2, c, nans)))
@@ -115,8 +119,7 @@ def _combine(parts):
     w = jnp.where(m == top, 1.0, jnp.exp(m - top))
     rest = jnp.sum(s * w + jnp.where(m == top, 0.0, c * w), axis=-1)
     ties = jnp.sum(jnp.where(m == top, c, 0.0), axis=-1)
-    x = -jnp.log(rest + (ties - 1.0))
-    return jnp.where(jnp.sum(nans, axis=-1) > 0, jnp.nan, x)
+    return _feature(rest, ties, jnp.sum(nans, axis=-1))
 
 
 def feature_logits(draft_logits, temperature, *, config: FeaturesConfig | None = None,
