@@ -62,6 +62,8 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--features-impls", default="ref,pallas", help="features implementations to time")
+    ap.add_argument("--features-configs", default="",
+                    help="also time the kernel alone with these FeaturesConfigs, BLOCKxWARPSxSTAGES,...")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -76,6 +78,7 @@ def main(args):
     benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
+    from jaxspec.pallas import features as pf
     from jaxspec.spec import estimator as est
 
     os.makedirs(args.out, exist_ok=True)
@@ -206,6 +209,17 @@ def main(args):
                     if vocab == args.vocab:
                         add(batch=b, positions=p, case=f"features ({impl})", vocab=vocab, sets=n_sets,
                             floor_us=floor_us, us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
+                    for name in filter(None, args.features_configs.split(",") if impl == "pallas" else ()):
+                        if vocab != args.vocab or over_budget():
+                            break
+                        block_v, warps, stages = (int(v) for v in name.split("x"))
+                        cfg = pf.FeaturesConfig(block_v=block_v, num_warps=warps, num_stages=stages)
+
+                        def feat_cfg(acc, xs, cfg=cfg):
+                            return acc + jnp.sum(pf.feature_logits(xs, temperature, config=cfg))
+                        add(batch=b, positions=p, case=f"features (pallas {name})", vocab=vocab,
+                            sets=n_sets, floor_us=floor_us,
+                            us_plain=scan_us(feat_cfg, jnp.zeros((), jnp.float32), logits))
                     times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
                              for interval in (10**9, args.refit_interval)}
                     add(batch=b, positions=p, case=f"features ({impl})+predict+observe", vocab=vocab, sets=n_sets,

@@ -51,6 +51,8 @@ def parse(argv=None):
     ap.add_argument("--no-xla", action="store_true", help="skip lax.top_k and the two-stage baseline")
     ap.add_argument("--no-adversarial", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="TopKConfig sweep at the first row count")
+    ap.add_argument("--sweep-chunks", default="2048,4096,8192,16384")
+    ap.add_argument("--sweep-warps", default="4,8,16", help="stage-1 warps of the sweep")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -229,14 +231,14 @@ def main(args):
 
     if args.sweep:
         rows = rows_list[0]
-        chunks = (4096, 8192, 16384) if not args.smoke else (256, 1024)
+        chunks = [int(c) for c in args.sweep_chunks.split(",")] if not args.smoke else (256, 1024)
         for dname in args.dtypes.split(","):
             dt = dtypes[dname]
             x = (jax.random.normal(jax.random.key(3), (rows, args.vocab), jnp.float32) * 3).astype(dt)
             for k in ks:
                 ref = lax_top_k(k)(x)
                 for chunk in chunks:
-                    for nw in (4, 8, 16):
+                    for nw in [int(w) for w in args.sweep_warps.split(",")]:
                         for s2w in (4, 8):
                             if over_budget():
                                 break

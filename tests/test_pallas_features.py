@@ -35,6 +35,7 @@ def make_logits(seed, shape, special=True):
         lg[0, 2, vocab - 1] = 60.0                            # q_max rounds to 1: clamps at +40
         lg[1, 0, 7] = np.nan                                  # NaN -> NaN
         lg[1, 1, :vocab // 2] = -np.inf                       # masked vocabulary
+        lg[1, 2, 5] = 30.0                                    # q_max = 1 - 1e-8 .. 1e-11: x ~ 18-26, unclamped
         lg[-1, 0, vocab // 3] = np.inf                        # +inf maximum
         lg[-1, 1] = np.round(lg[-1, 1])                       # integer logits: ties everywhere
         lg[-1, 2, [3, vocab - 2]] = 40.0                      # two tied maxima in different blocks
@@ -83,6 +84,7 @@ def test_matches_reference(vocab, dtype, cfg):
     ref = est.features(logits, temperature, impl="ref")
     check(got, ref)
     assert np.isnan(got[1, 0]) and got[0, 2] == 40.0 and got[-1, 0] == 40.0
+    assert 15.0 < got[1, 2] < 39.0                                       # no cancellation near q_max = 1
     np.testing.assert_allclose(got[0, 1], -np.log(vocab - 1), rtol=1e-6)   # all -inf: V ties
 
 

@@ -340,9 +340,9 @@ def test_config_validation_and_plans():
         tk.TopKConfig(slots=16).resolve(8, 1000, 20)
     p = tk.TopKConfig().resolve(1024, 248320, 64)
     assert (p["chunk"], p["groups"], p["slots"], p["num_chunks"], p["candidates"], p["stage2_block"]) == \
-        (8192, 128, 128, 31, 3968, 4096)
+        (4096, 128, 128, 61, 7808, 8192)
     p = tk.TopKConfig().resolve(1024, 248320, 20)
-    assert (p["groups"], p["slots"], p["candidates"]) == (64, 64, 1984)
+    assert (p["groups"], p["slots"], p["candidates"]) == (64, 64, 3904)
     p = tk.TopKConfig().resolve(8, 248320, 64)                          # few rows: smaller chunks
     assert (p["chunk"], p["candidates"], p["stage2_block"], p["stage2_warps"]) == (2048, 15616, 16384, 16)
     p = tk.TopKConfig().resolve(3, 40, 8)

@@ -18,7 +18,7 @@ touches the two negative-NaN bit patterns 0xfffffffe / 0xffffffff (ranked with 0
 
 Top-k design: two kernels
 -------------------------
-Stage 1, grid (rows, cdiv(vocab, chunk)), one program per (row, chunk of `chunk` columns, 8192 by
+Stage 1, grid (rows, cdiv(vocab, chunk)), one program per (row, chunk of `chunk` columns, 4096 by
 default): it reads its chunk once (one masked [chunk] load, every load in flight at once; the tail
 chunk is masked explicitly, the Triton lowering does not mask overhanging blocks) and writes a
 *superset* of the chunk's top-k: `slots` = M candidates (key, column) per chunk, M = max(16,
@@ -52,14 +52,22 @@ next_pow2(2k)) (128 for k = 64, 64 for k = 20). It never sorts:
   of (key, index) pairs over the chunk plus layout shuffles, also far more than one pass. The
   filter keeps stage 1 close to a single read of the logits.
 
-Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (4096
-at 248,320 x k = 64) and runs k rounds of argmax (one tuple reduction: max key, lowest position on
-ties) + remove. Candidate positions increase with the column (chunks in order, column order inside
+Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (7808
+at 248,320 x k = 64, chunk 4096) and runs k rounds of argmax (one tuple reduction: max key, lowest
+position on ties) + remove. Candidate positions increase with the column (chunks in order, column order inside
 a chunk), so the lowest position among equal keys is the lowest column: the output is in
 `lax.top_k` order. It then gathers the k columns and their logits and writes values [rows, k]
 (input dtype) and indices [rows, k] int32. Candidate traffic (8 bytes x M per chunk, written once
-and read once) is ~6 % of the fp32 logits bytes and ~12 % of the bf16 ones at k = 64, chunk 8192
-(half that at k = 20; a chunk of 16384 halves it again).
+and read once) is ~12 % of the fp32 logits bytes and ~25 % of the bf16 ones at k = 64, chunk 4096
+(half that at k = 20 or chunk 8192; the sweep still found 4096 faster: stage 1 is bound by
+instruction issue, not by bytes).
+
+Where stage 1's time goes (H200, 1024 x 248,320 bf16, k = 64; timing-only variants of the kernel,
+2026-12-01): load + key + one max 155-165 us (the read floor), + group maxima ~160, + the [G, G]
+threshold 225-243, + the (gt, eq) count 331-337, + the compaction scan 387-435, the whole stage 1
+1050-1450 (the bisection loop that does not run, the scatter stores and the register pressure of
+keeping the chunk live across them). Reaching 2x the read floor needs a stage 1 of ~25 instructions
+an element: the H200 issues ~17 a bf16 element at its copy bandwidth.
 
 Greedy argmax
 -------------
@@ -70,7 +78,7 @@ follows `jnp.argmax`: any NaN is the maximum, -0.0 == +0.0. splits > 1 (few rows
 programs; the partial results [rows, splits] are combined by a tiny jnp argmax (the first split
 wins ties, i.e. the lowest column).
 
-Tile sizes are estimates, not yet measured on the H200 (bench/topk_kernel.py sweeps them).
+Stage-1 tile sizes: the H200 sweep (bench/topk_kernel.py --sweep); the argmax's are estimates.
 """
 from __future__ import annotations
 
@@ -124,15 +132,17 @@ def argmax_key(x):
 class TopKConfig:
     """Tile sizes of the two-stage top-k.
 
-    chunk: columns per stage-1 program (power of two, 64..16384). None: 8192, halved (down to 2048)
+    chunk: columns per stage-1 program (power of two, 64..16384). None: 4096, halved (down to 2048)
       while rows * cdiv(vocab, chunk) < 528 (four programs per H200 SM), then doubled while the
       row's candidate count exceeds 16384; clipped to next_pow2(vocab).
     groups: G, groups of the threshold step (power of two, 2..256); None: clip(next_pow2(2k), 32,
       128). Larger G gives a tighter threshold (fewer candidates) at G^2 compares per program.
     slots: M, candidate slots per chunk (power of two, >= k, 16..1024); None: max(16, next_pow2(2k)).
     num_warps / stage2_warps: warps of the stage-1 / stage-2 programs (1..16, power of two); None:
-      8 for stage 1 (32 fp32 registers a thread at chunk 8192), stage 2 8 (16 when it holds more than
-      8192 candidates).
+      4 for stage 1 (32 elements a thread at chunk 4096), stage 2 8 (16 when it holds more than 8192
+      candidates). The H200 sweep (bench/RESULTS.md, 2026-12-01) put chunk 4096 x 4 warps first at
+      fp32 / bf16 and k 20 / 64: 1.3-1.4x faster than 8192 x 8, whose 255-register programs ran one
+      per SM.
     """
     chunk: int | None = None
     groups: int | None = None
@@ -159,7 +169,7 @@ class TopKConfig:
             raise ValueError(f"TopKConfig.slots={slots}: must be >= k={k}")
         chunk = self.chunk
         if chunk is None:
-            chunk = 8192
+            chunk = 4096
             while chunk > 2048 and rows * pl.cdiv(vocab, chunk) < _TARGET_PROGRAMS:
                 chunk //= 2
             while chunk < MAX_CHUNK and pl.cdiv(vocab, chunk) * min(slots, chunk) > MAX_CANDIDATES:
@@ -172,7 +182,7 @@ class TopKConfig:
         stage2_block = max(16, next_pow2(candidates))
         return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
                     candidates=candidates, stage2_block=stage2_block,
-                    num_warps=self.num_warps or 8,
+                    num_warps=self.num_warps or 4,
                     stage2_warps=self.stage2_warps or (16 if stage2_block > 8192 else 8))
 
 
