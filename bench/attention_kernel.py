@@ -251,10 +251,10 @@ def main(args):
         print(dump()[-1], flush=True)
 
     if args.sweep and not over_budget():
-        cfgs = [dict(block_k=32), dict(block_k=32, num_stages=3), dict(block_k=64, num_stages=3),
-                dict(block_k=128, num_stages=2), dict(num_warps=4), dict(block_k=32, num_warps=4, num_stages=3),
-                dict(target_programs=264), dict(target_programs=264, block_k=32, num_stages=3),
-                dict(min_split=1024)]
+        cfgs = [dict(block_k=64, num_stages=2, num_warps=8), dict(block_k=64, num_stages=2, num_warps=4),
+                dict(block_k=64, num_stages=3, num_warps=4), dict(block_k=32, num_stages=3, num_warps=8),
+                dict(block_k=32, num_stages=4, num_warps=4), dict(block_k=16, num_stages=4, num_warps=4),
+                dict(target_programs=264), dict(min_split=1024)]
         shapes = [(64, 4096), (1, 32768), (8, 4096)] if not args.smoke else [(2, 40)]
         for (B, ctx) in shapes:
             M = ctx + 16
