@@ -16,6 +16,8 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
   fires (refit_interval 10**9, the cond is still there); "amortised": refit_interval
   --refit-interval (100), so a 200-step scan includes 2 refits.
 - `refit`: refit every call (refit_interval 1): predict + observe + one refit per step.
+- each predict+observe case once per --observe-impls: "ref" (jnp) and "pallas"
+  (jaxspec/pallas/observe.py: the statistics and the refit in one launch).
 - `features V=...`: features alone over bf16 logits of the full vocabulary (248,320); floor = logits
   bytes (read once) / copy bandwidth measured in the same run (jitted x + 1 over 1 GiB, read + write
   counted; or a torch copy from `--torch-copy` in an earlier process, as in topk_kernel.py).
@@ -62,6 +64,8 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--features-impls", default="ref,pallas", help="features implementations to time")
+    ap.add_argument("--observe-impls", default="ref,pallas",
+                    help="observe implementations: ref (jnp, eight kernels), pallas (one launch)")
     ap.add_argument("--features-configs", default="",
                     help="also time the kernel alone with these FeaturesConfigs, BLOCKxWARPSxSTAGES,...")
     ap.add_argument("--smoke", action="store_true")
@@ -173,17 +177,20 @@ def main(args):
             x = jax.random.normal(key, (n_sets, b, p), jnp.float32) * 3.0
             verified, accepted = labels(key, n_sets, b, p)
 
-            def po(state, xs):
-                xk, ver, acc = xs
-                _, s = est.predict(state, xk)
-                state = est.observe(state, xk, ver, acc)
-                # the survival is an output of the real step: keep it live
-                return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
-            times = {interval: scan_us(po, est_state(p, interval), (x, verified, accepted))
-                     for interval in (10**9, args.refit_interval, 1)}
-            add(batch=b, positions=p, case="predict+observe", sets=n_sets, us_plain=times[10**9],
-                us_amortised=times[args.refit_interval])
-            add(batch=b, positions=p, case="predict+observe+refit (every step)", sets=n_sets, us_plain=times[1])
+            for obs_impl in args.observe_impls.split(","):
+                def po(state, xs, obs_impl=obs_impl):
+                    xk, ver, acc = xs
+                    _, s = est.predict(state, xk)
+                    state = est.observe(state, xk, ver, acc, impl=obs_impl)
+                    # the survival is an output of the real step: keep it live
+                    return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
+                times = {interval: scan_us(po, est_state(p, interval), (x, verified, accepted))
+                         for interval in (10**9, args.refit_interval, 1)}
+                tag = "" if obs_impl == "ref" else f" (observe {obs_impl})"
+                add(batch=b, positions=p, case=f"predict+observe{tag}", sets=n_sets, us_plain=times[10**9],
+                    us_amortised=times[args.refit_interval])
+                add(batch=b, positions=p, case=f"predict+observe+refit (every step){tag}", sets=n_sets,
+                    us_plain=times[1])
 
             # features over the vocabulary, alone and with the estimator
             for vocab in (args.vocab, args.small_vocab):

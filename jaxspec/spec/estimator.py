@@ -40,6 +40,7 @@ from flax import struct
 
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import features as pallas_features
+from jaxspec.pallas import observe as pallas_observe
 
 FEATURE_CLAMP = 40.0     # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
 MAX_SLOPE_HALVINGS = 8
@@ -186,13 +187,16 @@ def predict(state: EstimatorState, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
-            accepted: jax.Array) -> EstimatorState:
+            accepted: jax.Array, *, impl: str = "auto") -> EstimatorState:
     """Add one step's labels to the Newton statistics; refit every ``refit_interval`` calls.
 
     x [B, P] features of the drafts, verified [B] drafts verified, accepted [B] drafts accepted.
     Positions < accepted are labelled 1; position == accepted is labelled 0 if it was verified
     (accepted < verified); later positions are not observed. Positions whose feature is not
     finite contribute nothing (selected away). Rows with verified = 0 (padding) observe nothing.
+
+    impl: "auto" (jnp unless `jaxspec.pallas.observe.AUTO_ON_GPU`), "ref" (jnp: eight small
+    kernels on the GPU) or "pallas" (`jaxspec.pallas.observe`: statistics and refit in one launch).
     """
     x = jnp.asarray(x, jnp.float32)
     if x.ndim != 2:
@@ -203,6 +207,9 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
     if verified.shape != (B,) or accepted.shape != (B,):
         raise ValueError(f"estimator observe: verified {verified.shape} and accepted "
                          f"{accepted.shape} must both be [{B}] (one per row of x)")
+    if use_kernel("observe", impl, lambda: pallas_observe.supports(state, x, verified, accepted)) and (
+            impl == "pallas" or pallas_observe.AUTO_ON_GPU):
+        return pallas_observe.observe(state, x, verified, accepted)
     k = jnp.arange(P, dtype=jnp.int32)[None, :]
     ver = verified.astype(jnp.int32)[:, None]
     acc = accepted.astype(jnp.int32)[:, None]

@@ -1,0 +1,167 @@
+"""The one-launch observe kernel (jaxspec/pallas/observe.py) against the jnp `estimator.observe`.
+
+CPU: interpret mode. GPU (`pytest -m gpu`): the same cases compiled."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.pallas import observe as po
+from jaxspec.spec import estimator as est
+from tests.gpu_lowering import lower_for_h200
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+CONFIGS = {"default": po.ObserveConfig(), "tiles-16": po.ObserveConfig(block_b=16, num_warps=2)}
+# per field: float32 sums in another order (positions as one reduction, batch tiles) -> relative
+RTOL = 2e-5
+
+
+def make_step(rng, batch, positions, special=True):
+    """Features [B, P] (float32) with verified / accepted [B] int32; non-finite features and the
+    label edge cases planted."""
+    x = (rng.standard_normal((batch, positions)) * 3).astype(np.float32)
+    ver = rng.integers(0, positions + 1, batch).astype(np.int32)
+    acc = np.minimum(ver, rng.integers(0, positions + 1, batch)).astype(np.int32)
+    if special and batch >= 4:
+        x[0, 0], x[1, -1], x[2, positions // 2] = np.nan, np.inf, -np.inf
+        ver[3], acc[3] = 0, 0                          # padding row: observes nothing
+        ver[-1], acc[-1] = positions, positions        # every draft accepted: no 0 label
+        x[-2, :] = 60.0                                # clamped to +40
+    return jnp.asarray(x), jnp.asarray(ver), jnp.asarray(acc)
+
+
+def check_state(got, ref):
+    for field in po.FIELDS:
+        g, r = np.asarray(getattr(got, field)), np.asarray(getattr(ref, field))
+        assert g.shape == r.shape and g.dtype == r.dtype, field
+        if field in ("n", "calls"):
+            np.testing.assert_array_equal(g, r, field)
+        else:
+            scale = max(1.0, float(np.max(np.abs(r))))
+            np.testing.assert_allclose(g, r, rtol=RTOL, atol=RTOL * scale, err_msg=field)
+
+
+def kernel(config, interpret, poison=True):
+    return jax.jit(lambda s, x, v, a: po.observe(s, x, v, a, config=config, interpret=interpret,
+                                                  poison_outputs=poison))
+
+
+def started_state(rng, positions, refit):
+    """A state with non-zero statistics, slope and intercepts; the next call refits or not."""
+    state = est.init(positions, slope=0.8, intercept=list(rng.uniform(-1, 1, positions)),
+                     refit_interval=10)
+    x, v, a = make_step(rng, 64, positions, special=False)
+    state = est.observe(state, x, v, a, impl="ref")
+    return state.replace(calls=jnp.asarray(9 if refit else 5, jnp.int32))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_b"):
+        po.ObserveConfig(block_b=100)
+    with pytest.raises(ValueError, match="num_warps"):
+        po.ObserveConfig(num_warps=3)
+
+
+def test_supports():
+    s = est.init(7)
+    x, v = jnp.zeros((4, 7)), jnp.zeros((4,), jnp.int32)
+    assert po.supports(s, x, v, v)
+    assert not po.supports(s, jnp.zeros((4, 6)), v, v)                 # positions of another state
+    assert not po.supports(s, x, jnp.zeros((3,), jnp.int32), v)         # one label per row
+    assert not po.supports(s, x, v.astype(jnp.float32), v)              # integer labels
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("refit", [False, True], ids=["accumulate", "refit"])
+@pytest.mark.parametrize("batch,positions", [(1, 7), (5, 3), (37, 15), (130, 1), (300, 7)],
+                         ids=["b1-p7", "b5-p3", "b37-p15", "b130-p1", "b300-p7"])
+def test_matches_reference(batch, positions, refit, cfg):
+    rng = np.random.default_rng(batch * 100 + positions)
+    state = started_state(rng, positions, refit)
+    x, v, a = make_step(rng, batch, positions)
+    got = kernel(CONFIGS[cfg], True)(state, x, v, a)
+    ref = est.observe(state, x, v, a, impl="ref")
+    check_state(got, ref)
+    if refit:       # the step was taken and the statistics cleared
+        assert float(ref.slope) != float(state.slope) and int(got.n) == 0 and float(got.h_xx) == 0.0
+    else:
+        assert int(got.n) > int(state.n) and float(got.slope) == float(state.slope)
+
+
+def test_poisoned_batch_keeps_coefficients_finite():
+    rng = np.random.default_rng(3)
+    state = started_state(rng, 7, True)
+    x = jnp.full((16, 7), jnp.nan, jnp.float32).at[0, 0].set(jnp.inf)
+    v = jnp.full((16,), 7, jnp.int32)
+    got = kernel(None, True)(state, x, v, jnp.full((16,), 3, jnp.int32))
+    assert np.isfinite(float(got.slope)) and np.all(np.isfinite(np.asarray(got.intercepts)))
+    check_state(got, est.observe(state, x, v, jnp.full((16,), 3, jnp.int32), impl="ref"))
+
+
+def test_tracks_reference_over_many_refits():
+    """250 steps of logistic data, refit every 25: the two paths end with the same coefficients."""
+    rng = np.random.default_rng(11)
+    positions, batch = 7, 48
+    true_b = np.linspace(1.5, -0.5, positions)
+    ref = got = est.init(positions, refit_interval=25)
+    step = kernel(None, True, poison=False)
+    for _ in range(250):
+        x = rng.standard_normal((batch, positions)).astype(np.float32) * 2
+        p = 1 / (1 + np.exp(-(1.0 * x + true_b)))
+        accepted = np.argmin(np.concatenate([rng.random((batch, positions)) < p,
+                                             np.zeros((batch, 1), bool)], 1), axis=1).astype(np.int32)
+        ver = np.full(batch, positions, np.int32)
+        args = (jnp.asarray(x), jnp.asarray(ver), jnp.asarray(accepted))
+        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args)
+    assert abs(float(ref.slope) - 1.0) < 0.2                       # the data's slope is being learnt
+    np.testing.assert_allclose(float(got.slope), float(ref.slope), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got.intercepts), np.asarray(ref.intercepts), rtol=1e-4, atol=1e-4)
+
+
+def test_dispatch():
+    rng = np.random.default_rng(5)
+    state = started_state(rng, 7, False)
+    x, v, a = make_step(rng, 9, 7)
+    auto = est.observe(state, x, v, a)
+    if jax.default_backend() != "gpu" or not po.AUTO_ON_GPU:        # auto is the jnp form
+        for field in po.FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(auto, field)),
+                                          np.asarray(getattr(est.observe(state, x, v, a, impl="ref"), field)))
+    check_state(est.observe(state, x, v, a, impl="pallas"), auto)
+    with pytest.raises(ValueError, match="impl"):
+        est.observe(state, x, v, a, impl="fast")
+
+
+def test_deterministic():
+    rng = np.random.default_rng(8)
+    state = started_state(rng, 15, True)
+    x, v, a = make_step(rng, 300, 15)
+    f = kernel(CONFIGS["tiles-16"], True)
+    first, again = f(state, x, v, a), f(state, x, v, a)
+    for field in po.FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(first, field)), np.asarray(getattr(again, field)))
+
+
+@pytest.mark.parametrize("batch,positions", [(128, 7), (512, 15)])
+def test_lowers_for_h200(batch, positions):
+    state = est.init(positions)
+    x = jax.ShapeDtypeStruct((batch, positions), jnp.float32)
+    lab = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    text = lower_for_h200(lambda s, x, v, a: po.observe(s, x, v, a, interpret=False), state, x, lab, lab)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("refit", [False, True], ids=["accumulate", "refit"])
+@pytest.mark.parametrize("batch,positions", [(1, 7), (37, 15), (300, 7), (512, 7)])
+def test_gpu_matches_reference(batch, positions, refit, cfg):
+    rng = np.random.default_rng(batch + positions)
+    state = started_state(rng, positions, refit)
+    x, v, a = make_step(rng, batch, positions)
+    got = kernel(CONFIGS[cfg], False)(state, x, v, a)
+    check_state(got, est.observe(state, x, v, a, impl="ref"))
+    again = kernel(CONFIGS[cfg], False)(state, x, v, a)
+    for field in po.FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(again, field)))
