@@ -16,7 +16,8 @@ than the 60 MB L2, so repeated calls on one buffer measure DRAM, not the cache.
 
 Also: adversarial inputs at 1024 rows, k = 64 (`--adversarial`, on by default): heavy ties (integer
 logits), a high block at the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf
-(masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps at 1024 rows.
+(masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection
+at 1024 rows.
 
 Every kernel result is checked against `lax.top_k` / `jnp.argmax` (indices equal, values equal)
 in the same run; the `ok` column says so.
@@ -28,6 +29,7 @@ Usage (GPU machine):
 Writes DIR/topk_bench.md and DIR/topk_bench.json (DIR = --out, default $OUT or bench/out).
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -53,6 +55,8 @@ def parse(argv=None):
     ap.add_argument("--sweep", action="store_true", help="TopKConfig sweep at the first row count")
     ap.add_argument("--sweep-chunks", default="2048,4096,8192,16384")
     ap.add_argument("--sweep-warps", default="4,8,16", help="stage-1 warps of the sweep")
+    ap.add_argument("--sweep-bisection", default="inline", help="TopKConfig.bisection values of the sweep")
+    ap.add_argument("--sweep-stage2-warps", default="4,8")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -148,11 +152,12 @@ def main(args):
                              f"| {fmt(r['stage1_us'])} | {fmt(r['x_gauss'], 2)} | {r['ok']} |")
         if sweep:
             lines += ["", "TopKConfig sweep (Gaussian input).", "",
-                      "| rows | dtype | k | chunk | num_warps | stage2_warps | kernel µs | stage 1 µs | ok |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "| rows | dtype | k | chunk | num_warps | stage2_warps | bisection | kernel µs | stage 1 µs | ok |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             for r in sweep:
                 lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['chunk']} | {r['num_warps']} "
-                             f"| {r['stage2_warps']} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {r['ok']} |")
+                             f"| {r['stage2_warps']} | {r['bisection']} | {fmt(r['kernel_us'])} "
+                             f"| {fmt(r['stage1_us'])} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return lines
@@ -239,10 +244,11 @@ def main(args):
                 ref = lax_top_k(k)(x)
                 for chunk in chunks:
                     for nw in [int(w) for w in args.sweep_warps.split(",")]:
-                        for s2w in (4, 8):
+                        for s2w, bis in itertools.product([int(w) for w in args.sweep_stage2_warps.split(",")],
+                                                          args.sweep_bisection.split(",")):
                             if over_budget():
                                 break
-                            cfg = tk.TopKConfig(chunk=chunk, num_warps=nw, stage2_warps=s2w)
+                            cfg = tk.TopKConfig(chunk=chunk, num_warps=nw, stage2_warps=s2w, bisection=bis)
                             try:
                                 kus, s1us, out = kernel_times(x, k, cfg)
                                 ok = same(out, ref)
@@ -251,7 +257,7 @@ def main(args):
                                 kus = s1us = None
                                 ok = False
                             sweep.append(dict(rows=rows, dtype=dname, k=k, chunk=chunk, num_warps=nw,
-                                              stage2_warps=s2w, kernel_us=kus, stage1_us=s1us, ok=ok))
+                                              stage2_warps=s2w, bisection=bis, kernel_us=kus, stage1_us=s1us, ok=ok))
                             print(dump()[-1], flush=True)
             del x
 

@@ -7,6 +7,7 @@ the tests also pass `poison_outputs=True` (NaN / INT_MIN buffers aliased to the 
 what proves it on the GPU). INT_MIN is the stage-1 REMOVED key that stage 1 never writes, so an
 unwritten candidate slot is caught too. Values are compared bit for bit, indices exactly.
 """
+import dataclasses
 import functools
 
 import jax
@@ -160,12 +161,16 @@ SMALL = tk.TopKConfig(chunk=256)
 CLUSTER = tk.TopKConfig(chunk=512)
 
 
+@pytest.mark.parametrize("bisection", ["inline", "fixup"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("k", [1, 20, 64])
 @pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "clustered"])
-def test_top_k_interpret(kind, k, dtype):
+def test_top_k_interpret(kind, k, dtype, bisection):
+    """bisection="fixup": the clustered rows' flagged chunks are written by the second kernel
+    only (stage 1 leaves their poisoned slots as they were)."""
     rng = np.random.default_rng(abs(hash((kind, k))) % 2**31)
     cfg, vocab = (CLUSTER, 2000) if kind == "clustered" else (SMALL, 1000)
+    cfg = dataclasses.replace(cfg, bisection=bisection)
     x = jnp.asarray(gen_rows(rng, kind, 4, vocab, k, dtype), dtype)
     vals, idx, ck, cc = run_top_k(x, k, cfg, candidates=True)
     check_top_k(x, k, vals, idx)
@@ -182,10 +187,11 @@ def test_top_k_special_values():
             check_top_k(x, k, vals, idx)
 
 
+@pytest.mark.parametrize("bisection", ["inline", "fixup"])
 @pytest.mark.parametrize("kind", ["ties", "clustered"])
-def test_top_k_slots_equal_k(kind):
+def test_top_k_slots_equal_k(kind, bisection):
     """slots == k: no spare slot, so the tie cap and the tie positions must be exact."""
-    k, cfg = 16, tk.TopKConfig(chunk=256, groups=32, slots=16)
+    k, cfg = 16, tk.TopKConfig(chunk=256, groups=32, slots=16, bisection=bisection)
     x = jnp.asarray(gen_rows(np.random.default_rng(9), kind, 4, 1000, k, jnp.float32))
     vals, idx, ck, cc = run_top_k(x, k, cfg, candidates=True)
     check_top_k(x, k, vals, idx)
@@ -338,6 +344,8 @@ def test_config_validation_and_plans():
             tk.ArgmaxConfig(**{field: bad})
     with pytest.raises(ValueError, match="slots"):
         tk.TopKConfig(slots=16).resolve(8, 1000, 20)
+    with pytest.raises(ValueError, match="bisection"):
+        tk.TopKConfig(bisection="loop")
     p = tk.TopKConfig().resolve(1024, 248320, 64)
     assert (p["chunk"], p["groups"], p["slots"], p["num_chunks"], p["candidates"], p["stage2_block"]) == \
         (4096, 128, 128, 61, 7808, 8192)
@@ -362,6 +370,14 @@ def test_config_validation_and_plans():
 def test_top_k_lowers_for_h200(rows, vocab, k, dtype):
     text = lower_for_h200(lambda x: tk.top_k(x, k, interpret=False), jax.ShapeDtypeStruct((rows, vocab), dtype))
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1024, 248320, 64), (3, 1000, 20)])
+def test_top_k_fixup_lowers_for_h200(rows, vocab, k):
+    cfg = tk.TopKConfig(bisection="fixup")
+    text = lower_for_h200(lambda x: tk.top_k(x, k, config=cfg, interpret=False),
+                          jax.ShapeDtypeStruct((rows, vocab), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 3              # stage 1, the fix-up, stage 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -402,12 +418,14 @@ def test_top_k_gpu(rows, vocab, dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("bisection", ["inline", "fixup"])
 @pytest.mark.parametrize("kind", ["ties", "neginf", "special", "clustered"])
-def test_top_k_gpu_adversarial(kind, dtype):
+def test_top_k_gpu_adversarial(kind, dtype, bisection):
     rng = np.random.default_rng(11)
     x = jnp.asarray(gen_rows(rng, kind, 6, 248320, 64, dtype), dtype)
+    cfg = tk.TopKConfig(bisection=bisection)
     for k in (1, 20, 64):
-        vals, idx, ck, cc = run_top_k(x, k, interpret=False, candidates=True)
+        vals, idx, ck, cc = run_top_k(x, k, cfg, interpret=False, candidates=True)
         # the oracle is the contract; lax.top_k on the GPU is compared where no NaN / -0.0 is involved
         check_top_k(x, k, vals, idx, against_lax=kind != "special")
         check_candidates(np.asarray(x.astype(jnp.float32)), k, tk.TopKConfig().resolve(6, 248320, k), ck, cc)
@@ -416,7 +434,8 @@ def test_top_k_gpu_adversarial(kind, dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(chunk=2048, stage2_warps=4), dict(chunk=16384, num_warps=16),
-                                 dict(chunk=8192, groups=32, slots=256), dict(chunk=1024, num_warps=2, stage2_warps=16)])
+                                 dict(chunk=8192, groups=32, slots=256), dict(chunk=1024, num_warps=2, stage2_warps=16),
+                                 dict(bisection="fixup")])
 def test_top_k_gpu_configs(cfg):
     rng = np.random.default_rng(12)
     x = jnp.asarray(gen_rows(rng, "ties", 64, 248320 - 5, 64, jnp.bfloat16), jnp.bfloat16)

@@ -44,6 +44,12 @@ next_pow2(2k)) (128 for k = 64, 64 for k = 20). It never sorts:
      (key, column) there, and SENTINEL fills the unused slots (the two stores touch disjoint slots).
      Column order is kept so that stage 2 can break ties by slot position.
 
+  With TopKConfig(bisection="fixup") step 3 leaves stage 1: a chunk with n_gt(t0) > M writes no
+     candidates, only a flag, and a second kernel (one program per row, looping over its chunks)
+     redoes the flagged chunks with the bisection into the same buffers. Stage 1 then carries no
+     data-dependent loop over its live chunk (whether that frees enough registers to matter is a
+     GPU measurement: bench/topk_kernel.py --sweep-bisection inline,fixup).
+
   Cost per element: load, key (~5 int ops), group max, two compares, pack, sum, scan, predicated
   store: ~25-30 instructions a thread per element, against k rounds of (max + lowest-index argmax +
   mask) for the obvious in-register extraction: 64 rounds x ~6 ops = ~380 ops an element and 64-128
@@ -143,14 +149,22 @@ class TopKConfig:
       candidates). The H200 sweep (bench/RESULTS.md, 2026-12-01) put chunk 4096 x 4 warps first at
       fp32 / bf16 and k 20 / 64: 1.3-1.4x faster than 8192 x 8, whose 255-register programs ran one
       per SM.
+    bisection: where a chunk with more than M keys above t0 raises its threshold. "inline": inside
+      stage 1 (a data-dependent loop that keeps the whole chunk live in registers across it, in
+      every program). "fixup": stage 1 only flags such chunks (writing no candidates for them), and
+      a second kernel, one program per row, redoes the flagged chunks with the bisection; stage 1
+      then holds no loop. Both give the same candidates.
     """
     chunk: int | None = None
     groups: int | None = None
     slots: int | None = None
     num_warps: int | None = None
     stage2_warps: int | None = None
+    bisection: str = "inline"
 
     def __post_init__(self):
+        if self.bisection not in ("inline", "fixup"):
+            raise ValueError(f"TopKConfig.bisection={self.bisection!r}: must be 'inline' or 'fixup'")
         if self.chunk is not None and not (is_pow2(self.chunk) and 64 <= self.chunk <= MAX_CHUNK):
             raise ValueError(f"TopKConfig.chunk={self.chunk!r}: must be a power of two in [64, {MAX_CHUNK}]")
         if self.groups is not None and not (is_pow2(self.groups) and 2 <= self.groups <= 256):
@@ -181,7 +195,7 @@ class TopKConfig:
         candidates = num_chunks * slots
         stage2_block = max(16, next_pow2(candidates))
         return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
-                    candidates=candidates, stage2_block=stage2_block,
+                    candidates=candidates, stage2_block=stage2_block, bisection=self.bisection,
                     num_warps=self.num_warps or 4,
                     stage2_warps=self.stage2_warps or (16 if stage2_block > 8192 else 8))
 
@@ -268,11 +282,11 @@ def _ceil_avg(lo, hi):
     return (lo | hi) - ((lo ^ hi) >> 1)
 
 
-def _stage1_kernel(x_ref, *refs, vocab, k, chunk, groups, slots):
-    """One (row, chunk): write `slots` candidates (key, column), a superset of the chunk's top-k."""
-    key_ref, col_ref = refs[-2:]          # refs[:-2]: poisoned buffers aliased to the outputs (tests)
-    r = pl.program_id(0)
-    c = pl.program_id(1)
+def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups, slots, bisect):
+    """Write `slots` candidates (key, column) of chunk c of row r, a superset of its top-k.
+
+    bisect=False: a chunk with more than `slots` keys above t0 writes no candidates (its slots keep
+    what they held); returns whether that happened (the chunk needs the bisection)."""
     c0 = c * chunk
     local = jnp.arange(chunk, dtype=jnp.int32)
     cols = c0 + local
@@ -285,7 +299,7 @@ def _stage1_kernel(x_ref, *refs, vocab, k, chunk, groups, slots):
         # Small vocabulary: every column is a candidate (out-of-range ones carry SENTINEL).
         plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], key)
         plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
-        return
+        return jnp.bool_(False)
 
     # 1. threshold: the k-th largest of the G group maxima, by counting (no serial rounds).
     gmax = jnp.max(key.reshape(groups, chunk // groups), axis=1)                  # [G]
@@ -311,8 +325,10 @@ def _stage1_kernel(x_ref, *refs, vocab, k, chunk, groups, slots):
         return (jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), jnp.where(ok, mid, t),
                 jnp.where(ok, m_gt, n_gt), jnp.where(ok, m_eq, n_eq), it + 1)
 
-    n_gt0, n_eq0 = counts(t0)
-    _, _, t, n_gt, n_eq, _ = lax.while_loop(cond, body, (t0, top, t0, n_gt0, n_eq0, _i32(0)))
+    t, (n_gt, n_eq) = t0, counts(t0)
+    if bisect:
+        _, _, t, n_gt, n_eq, _ = lax.while_loop(cond, body, (t0, top, t0, n_gt, n_eq, _i32(0)))
+    overflow = n_gt > slots                        # only without the bisection
 
     # 4. compaction in column order: keys > t, then the first `cap` ties, by one packed scan.
     cap = slots - n_gt
@@ -320,14 +336,42 @@ def _stage1_kernel(x_ref, *refs, vocab, k, chunk, groups, slots):
     eq = (key == t) & inb
     scan = jnp.cumsum(gt.astype(jnp.int32) | (eq.astype(jnp.int32) << 16))
     ties_before = jnp.minimum(scan >> 16, cap)
-    sel = gt | (eq & ((scan >> 16) <= cap))
+    sel = (gt | (eq & ((scan >> 16) <= cap))) & ~overflow
     pos = jnp.where(sel, (scan & _i32(0xFFFF)) + ties_before - 1, _i32(slots))     # slots: masked off
     plgpu.store(key_ref.at[r, c, pos], key, mask=sel)
     plgpu.store(col_ref.at[r, c, pos], cols, mask=sel)
     n_sel = n_gt + jnp.minimum(n_eq, cap)
-    empty = slot_ids >= n_sel
+    empty = (slot_ids >= n_sel) & ~overflow
     plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
     plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], jnp.zeros((slots,), jnp.int32), mask=empty)
+    return overflow
+
+
+def _stage1_kernel(x_ref, *refs, bisect, **geometry):
+    """One (row, chunk): its candidates; with bisect=False also its overflow flag."""
+    if bisect:
+        key_ref, col_ref = refs[-2:]      # refs[:-2]: poisoned buffers aliased to the outputs (tests)
+    else:
+        key_ref, col_ref, flag_ref = refs[-3:]
+    r, c = pl.program_id(0), pl.program_id(1)
+    overflow = _chunk_candidates(x_ref, key_ref, col_ref, r, c, bisect=bisect, **geometry)
+    if not bisect:
+        flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
+
+
+def _fixup_kernel(x_ref, flag_ref, _key_in, _col_in, key_ref, col_ref, *, num_chunks, flags_pad, **geometry):
+    """One row: redo its flagged chunks with the bisection (key_ref / col_ref alias stage 1's)."""
+    r = pl.program_id(0)
+    ids = jnp.arange(flags_pad, dtype=jnp.int32)
+    flags = plgpu.load(flag_ref.at[r, pl.ds(0, flags_pad)], mask=ids < num_chunks, other=0)
+
+    def chunk(c, carry):
+        @pl.when(jnp.sum(jnp.where(ids == c, flags, 0)) > 0)
+        def _redo():
+            _chunk_candidates(x_ref, key_ref, col_ref, r, c, bisect=True, **geometry)
+        return carry
+
+    lax.fori_loop(0, num_chunks, chunk, 0)
 
 
 def _stage2_kernel(x_ref, key_ref, col_ref, *refs, k, candidates, block, k_block):
@@ -370,16 +414,36 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     """Stage 1 alone: x [rows, vocab] -> (keys, columns) [rows, num_chunks, slots] int32."""
     rows, vocab = x.shape
     chunk, slots, nch = plan["chunk"], plan["slots"], plan["num_chunks"]
-    out_shape, extra, aliases = _outputs([((rows, nch, slots), jnp.int32)] * 2, poison_outputs, 1)
-    return pl.pallas_call(
-        functools.partial(_stage1_kernel, vocab=vocab, k=k, chunk=chunk, groups=plan["groups"], slots=slots),
+    geometry = dict(vocab=vocab, k=k, chunk=chunk, groups=plan["groups"], slots=slots)
+    inline = plan["bisection"] == "inline"
+    shapes = [((rows, nch, slots), jnp.int32)] * 2
+    out_shape, extra, aliases = _outputs(shapes, poison_outputs, 1)
+    specs = {}
+    if not inline:       # + the overflow flags [rows, nch], one element a program
+        out_shape += (jax.ShapeDtypeStruct((rows, nch), jnp.int32),)
+        specs = dict(out_specs=(pl.no_block_spec,) * 2 + (pl.BlockSpec((1, 1), lambda r, c: (r, c)),))
+    outs = pl.pallas_call(
+        functools.partial(_stage1_kernel, bisect=inline, **geometry),
         out_shape=out_shape,
+        **specs,
         grid=(rows, nch),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
         interpret=interpret,
         name="topk_stage1",
     )(x, *extra)
+    if inline:
+        return outs
+    keys, cols, flags = outs
+    return pl.pallas_call(
+        functools.partial(_fixup_kernel, num_chunks=nch, flags_pad=max(16, next_pow2(nch)), **geometry),
+        out_shape=tuple(jax.ShapeDtypeStruct(s, d) for s, d in shapes),
+        grid=(rows,),
+        input_output_aliases={2: 0, 3: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
+        interpret=interpret,
+        name="topk_stage1_fixup",
+    )(x, flags, keys, cols)
 
 
 def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=False):
