@@ -16,6 +16,11 @@ in place, no copies: checked on the compiled HLO), wall clock around block_until
 `reps` repetitions, divided by iters. The copy bandwidth is measured in the same process (a 1 GiB
 float32 elementwise pass: read + write). Bytes that must move: the checkpoint tiles read once, the
 window inputs, the history records read, the outputs and the window records written.
+
+`--mosaic B1,B2,...`: the two-pass verify with its apply kernel in Triton and in Mosaic GPU
+(jaxspec/pallas/gdn_apply_mosaic.py) side by side, bf16 checkpoint with one float32 ring part (the
+Mosaic kernel's contract), T 8, each --hists; the same loop timing, the coefficient kernel alone,
+and the Mosaic result's error against the Triton one. Then the script exits.
 """
 import argparse
 import dataclasses
@@ -35,6 +40,7 @@ import benchutil  # bench/benchutil.py: the script directory is first on sys.pat
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxspec.ops.gdn import gdn_verify  # noqa: E402
 from jaxspec.pallas import gdn_verify as kv  # noqa: E402
+from jaxspec.pallas import gdn_apply_mosaic  # noqa: E402
 from jaxspec.pallas import gdn_verify_two_pass as two_pass  # noqa: E402
 
 H, HV, K, V = 16, 48, 128, 128
@@ -167,6 +173,35 @@ def ref_fn(t):
     return lambda *a: gdn_verify(*a, t, impl="ref")
 
 
+def apply_variant_fn(t, cfg, which):
+    """Coefficients + one apply kernel over a single float32 ring_u part (the Mosaic kernel's
+    contract): which = "triton" (gdn_verify_two_pass.apply) or "mosaic" (gdn_apply_mosaic, its
+    compact records scattered into the ring by XLA)."""
+    def fn(q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots):
+        mat, mat_h, rk, rg = two_pass.coefficients(q, k, g, beta, rk, rg, write_pos, qsl, slots, t,
+                                                   block_k=min(cfg.block_k, K), num_warps=cfg.coeff_warps,
+                                                   interpret=INTERPRET, layer=None)
+        if which == "mosaic":
+            o, ru = gdn_apply_mosaic.apply_mosaic(q, k, v, ckpt, mat, mat_h, ru, write_pos, qsl, slots, t,
+                                                  interpret=INTERPRET)
+        else:
+            o, (ru,) = two_pass.apply(q, k, v, ckpt, mat, mat_h, (ru,), write_pos, qsl, slots, t,
+                                      block_v=min(cfg.block_v, V), block_k=min(cfg.block_k, K),
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, pad_rows=cfg.pad_rows,
+                                      interpret=INTERPRET, layer=None)
+        return o, rk, ru, rg
+    return fn
+
+
+def f32_ring(args):
+    """The bf16 case's inputs with ring_u as one float32 part (hi + lo)."""
+    args = list(args)
+    if isinstance(args[7], tuple):
+        hi, lo = args[7]
+        args[7] = hi.astype(jnp.float32) + lo.astype(jnp.float32)
+    return tuple(args)
+
+
 # (ckpt dtype, config fields) tried by --sweep at batch 128, T 8, no history; the fastest per dtype is
 # then used for the whole table. The first of each dtype is the default (fastest measured so far).
 SWEEP = [
@@ -202,6 +237,8 @@ def main():
     ap.add_argument("--config", default="", help='dtype=json-config;... e.g. bf16={"group":"key_head"}')
     ap.add_argument("--profile", default="", help="dtype:json-config: run that kernel 3 times at batch 128, T 8 (for ncu)")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (interpret mode)")
+    ap.add_argument("--mosaic", default="", help="batches at which to time coefficients + the Triton and the "
+                    "Mosaic apply (bf16 checkpoint, float32 ring, T 8, --hists), then exit")
     args_cli = ap.parse_args()
     global INTERPRET
     INTERPRET = args_cli.interpret
@@ -224,6 +261,31 @@ def main():
     bw, copy_us = benchutil.jax_copy_bandwidth()
     emit(dict(kind="copy", bytes=round(bw * copy_us * 1e-6), us=round(copy_us, 1), TB_per_s=round(bw / 1e12, 3),
               device=str(jax.devices()[0].device_kind)))
+    if args_cli.mosaic:
+        cfg = kv.default_config(jnp.bfloat16, V)
+        for batch in [int(b) for b in args_cli.mosaic.split(",")]:
+            for hist in [int(h) for h in args_cli.hists.split(",")]:
+                mv = must_move(f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0]), 8, hist)
+                rec = dict(kind="mosaic", batch=batch, hist=hist, ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1),
+                           floor_us=round(mv["total"] / bw * 1e6, 1))
+                for which in ("triton", "mosaic"):
+                    try:
+                        a = f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0])     # fresh: the ring is donated
+                        us, us_min, copies = time_loop(apply_variant_fn(8, cfg, which), a, args_cli.iters,
+                                                       args_cli.reps)
+                        rec.update({f"{which}_us": round(us, 1), f"{which}_copies": copies[:4]})
+                    except Exception as e:
+                        rec[f"{which}_error"] = str(e)[:300]
+                outs = [jax.jit(apply_variant_fn(8, cfg, w))(*f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0]))
+                         for w in ("triton", "mosaic")]
+                for name, i in (("o", 0), ("ring_u", 2)):        # the Mosaic result against the Triton one
+                    ref, got = outs[0][i], outs[1][i]
+                    ok = jnp.isfinite(ref)
+                    rec[f"err_{name}"] = float(jnp.max(jnp.where(ok, jnp.abs(got - ref), 0.0)) /
+                                               jnp.max(jnp.where(ok, jnp.abs(ref), 0.0)))
+                rec["coeff_us"] = coeff_us(8, cfg, batch, jnp.bfloat16, hist, args_cli.iters, args_cli.reps)
+                emit(rec)
+        return
     best = {d: kv.default_config(DTYPES[d], V) for d in DTYPES}
     for spec in filter(None, args_cli.config.split(";")):
         d, fields = spec.split("=", 1)
