@@ -144,8 +144,8 @@ def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_re
 
 def _skip_poison(kernel, count, *refs):
     """The kernel with the poisoned input buffers (aliased to its outputs) left out of its refs."""
-    inputs, outputs = refs[:12], refs[12 + count:]
-    return kernel(*inputs, *outputs)
+    first = 3 + len(FIELDS)             # x, verified, accepted, then the state fields
+    return kernel(*refs[:first], *refs[first + count:])
 
 
 def _poisoned(v):
