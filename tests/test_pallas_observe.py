@@ -55,6 +55,11 @@ def started_state(rng, positions, refit):
     return state.replace(calls=jnp.asarray(9 if refit else 5, jnp.int32))
 
 
+def test_constants_match_the_estimator():
+    """The kernel keeps its own copies (jaxspec.spec.estimator imports this module): no drift."""
+    assert (po.FEATURE_CLAMP, po.MAX_SLOPE_HALVINGS) == (est.FEATURE_CLAMP, est.MAX_SLOPE_HALVINGS)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="block_b"):
         po.ObserveConfig(block_b=100)

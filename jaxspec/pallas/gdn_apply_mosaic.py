@@ -30,6 +30,9 @@ import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from jaxspec.pallas.gdn_window_math import finite_or_zero
+from jaxspec.pallas.tiles import split_bf16
+
 F32, BF16 = jnp.float32, jnp.bfloat16
 TS = 8                  # window rows: t_max <= 8 (window_tile(t_max) == 8)
 ROWS = 64               # rows of every register-pass tile (see the module docstring)
@@ -49,16 +52,6 @@ def supports(q, k, v, ckpt, ring_u_parts, t_max, layer) -> bool:
                     and v.shape[1:] == (hv, vd) and hv % q.shape[1] == 0)
     except (AttributeError, TypeError, ValueError):
         return False
-
-
-def _split(x):
-    """float32 -> (bf16 hi, bf16 lo), hi + lo = x to ~2^-17 relative."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
-
-
-def _finite(x):
-    return (x == x) & (jnp.abs(x) < jnp.inf)
 
 
 def _row_iota(cols):
@@ -101,11 +94,11 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, ckpt_ref, mat_ref, math_ref, ring_ref
 
         for i in range(3, 8):
             plgpu.barrier_wait(bar.at[i])
-        x_hi, x_lo = _split(xf[...])                       # rows >= 16 are never read as operands
+        x_hi, x_lo = split_bf16(xf[...])                       # rows >= 16 are never read as operands
         xh[...] = x_hi
         xl[...] = x_lo
         vv = vs[...].astype(F32)
-        v_hi, v_lo = _split(jnp.where((_row_iota(vd) < n) & _finite(vv), vv, 0.0))
+        v_hi, v_lo = split_bf16(finite_or_zero(jnp.where(_row_iota(vd) < n, vv, 0.0)))
         vh[...] = v_hi
         if split_v:
             vl[...] = v_lo
@@ -114,7 +107,7 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, ckpt_ref, mat_ref, math_ref, ring_ref
                                           (mf.at[:, pl.ds(2 * TS, 2 * TS)], avh, avl, True),
                                           (mhf, ahh, ahl, m > 0)):
             cols = src.shape[1]
-            hi, lo = _split(jnp.where((_row_iota(cols) < 2 * TS) & live, src[...], 0.0))
+            hi, lo = split_bf16(jnp.where((_row_iota(cols) < 2 * TS) & live, src[...], 0.0))
             dst_hi[...] = hi
             dst_lo[...] = lo
 
@@ -124,7 +117,7 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, ckpt_ref, mat_ref, math_ref, ring_ref
             plgpu.barrier_wait(bar.at[8])
 
         uu = xf[...]                                        # rows >= m (all of them when m = 0): off
-        u_hi, u_lo = _split(jnp.where((_row_iota(vd) < m) & _finite(uu), uu, 0.0))
+        u_hi, u_lo = split_bf16(finite_or_zero(jnp.where(_row_iota(vd) < m, uu, 0.0)))
         uh[...] = u_hi
         ul[...] = u_lo
         plgpu.commit_smem()
@@ -137,7 +130,7 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, ckpt_ref, mat_ref, math_ref, ring_ref
             return acc[...]
         zt = pl.run_scoped(z_product, plgpu.ACC((vd, 2 * TS), F32))           # [V, 16]: k rows, q rows
         col = jax.lax.broadcasted_iota(jnp.int32, (vd, 2 * TS), 1)
-        z_hi, z_lo = _split(jnp.where(((col % TS) < n) & _finite(zt), zt, 0.0))
+        z_hi, z_lo = split_bf16(finite_or_zero(jnp.where((col % TS) < n, zt, 0.0)))
         zh[...] = z_hi
         zl[...] = z_lo
         plgpu.commit_smem()

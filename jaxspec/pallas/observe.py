@@ -65,7 +65,7 @@ def _sigmoid(z):
 
 
 def _finite(v):
-    return (v == v) & (jnp.abs(v) < jnp.inf)
+    return jnp.abs(v) < jnp.inf                   # False for NaN too
 
 
 def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_ref, g_x_ref, g_1_ref,

@@ -60,9 +60,9 @@ next_pow2(2k)) (128 for k = 64, 64 for k = 20). It never sorts:
 
 Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (7808
 at 248,320 x k = 64, chunk 4096) and runs k rounds of argmax (one tuple reduction: max key, lowest
-position on ties) + remove. Candidate positions increase with the column (chunks in order, column order inside
-a chunk), so the lowest position among equal keys is the lowest column: the output is in
-`lax.top_k` order. It then gathers the k columns and their logits and writes values [rows, k]
+position on ties) + remove. Candidate positions increase with the column (chunks in order, column
+order inside a chunk), so the lowest position among equal keys is the lowest column: the output
+is in `lax.top_k` order. It then gathers the k columns and their logits and writes values [rows, k]
 (input dtype) and indices [rows, k] int32. Candidate traffic (8 bytes x M per chunk, written once
 and read once) is ~12 % of the fp32 logits bytes and ~25 % of the bf16 ones at k = 64, chunk 4096
 (half that at k = 20 or chunk 8192; the sweep still found 4096 faster: stage 1 is bound by
