@@ -23,7 +23,9 @@ the 60 MB L2 where memory allows and small kernels are not measured as Python di
 `inner` calls are dispatched back to back and synchronised once (kernels >= 100 us). Each kernel
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
-`--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes.
+`--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
+`--sweep-configs 32:3:4,16:4:4` (block_k:num_stages:num_warps) and `--sweep-shapes all` (or B:ctx,...)
+replace its configs and shapes.
 
 Usage (GPU machine):
   python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
@@ -63,6 +65,8 @@ def parse(argv=None):
     ap.add_argument("--ref-mem-gb", type=float, default=40.0)
     ap.add_argument("--no-xla", action="store_true", help="skip the reference and dot_product_attention")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-configs", default=None, help="block_k:num_stages:num_warps,... (default: a fixed list)")
+    ap.add_argument("--sweep-shapes", default=None, help="'all' (the 12 shapes) or B:ctx,... (default: 3 shapes)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -71,6 +75,11 @@ def parse(argv=None):
         args.shape_list = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     else:
         args.shape_list = DEFAULT_ORDER
+    args.sweep_config_list = None if not args.sweep_configs else [
+        dict(zip(("block_k", "num_stages", "num_warps"), (int(v) for v in c.split(":"))))
+        for c in args.sweep_configs.split(",")]
+    args.sweep_shape_list = (None if not args.sweep_shapes else DEFAULT_ORDER if args.sweep_shapes == "all"
+                             else [tuple(int(v) for v in s.split(":")) for s in args.sweep_shapes.split(",")])
     if args.smoke:
         args.shape_list, args.reps, args.inner, args.xla_reps = [(2, 40), (1, 300)], 2, 1, 1
         args.hq, args.kvh, args.D, args.min_set_mb = 6, 2, 32, 0.0
@@ -255,7 +264,9 @@ def main(args):
                 dict(block_k=64, num_stages=3, num_warps=4), dict(block_k=32, num_stages=3, num_warps=8),
                 dict(block_k=32, num_stages=4, num_warps=4), dict(block_k=16, num_stages=4, num_warps=4),
                 dict(target_programs=264), dict(min_split=1024)]
-        shapes = [(64, 4096), (1, 32768), (8, 4096)] if not args.smoke else [(2, 40)]
+        cfgs = args.sweep_config_list or cfgs
+        shapes = args.sweep_shape_list or [(64, 4096), (1, 32768), (8, 4096)]
+        shapes = shapes if not args.smoke else [(2, 40)]
         for (B, ctx) in shapes:
             M = ctx + 16
             floor_us = 2 * B * (ctx + T) * KVH * D * isz / bw * 1e6

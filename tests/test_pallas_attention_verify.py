@@ -163,8 +163,10 @@ def test_config_validation():
     cfg = pav.AttentionVerifyConfig()
     # the benchmark shape (T 8, GQA 6 -> 64 rows, D 256): batch 64 fills the SMs without splitting
     plan = cfg.resolve(64, 4, 4112, 64, 256, jnp.bfloat16)
-    assert (plan["block_k"], plan["num_splits"], plan["num_warps"], plan["num_stages"]) == (32, 1, 4, 3)
+    assert (plan["block_k"], plan["num_splits"], plan["num_warps"], plan["num_stages"]) == (16, 1, 4, 4)
     assert cfg.resolve(1, 4, 32784, 64, 256, jnp.bfloat16)["num_splits"] == 33      # 132 programs
+    small = cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)                         # split: 32 keys x 3
+    assert (small["block_k"], small["num_stages"]) == (32, 3)
     assert cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)["num_splits"] == 4         # 128 programs
     assert cfg.resolve(1, 4, 300, 64, 256, jnp.bfloat16)["num_splits"] == 2         # capped by M / min_split
     f32 = cfg.resolve(2, 2, 100, 128, 256, jnp.float32)

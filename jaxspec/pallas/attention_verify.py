@@ -85,10 +85,12 @@ LOG2E = 1.4426950408889634
 class AttentionVerifyConfig:
     """Tile sizes and launch parameters of the verify attention kernel.
 
-    block_k: keys per step of a program's loop (power of two, 16..256). None: 32 for bf16 (K and V
-      blocks of 32 KB at D 256, three pipeline stages in flight), 16 for fp32. The H200 sweep
-      (bench/RESULTS.md, 2026-12-01) put 32 keys x 3 stages x 4 warps first at batch 64 / 4k
-      (348 us, 1.25x the KV floor, against 536 for 64 x 2 stages x 8 warps) and batch 1 / 32k.
+    block_k: keys per step of a program's loop (power of two, 16..256). None: 16 for fp32; for bf16
+      16 (with 4 pipeline stages) when the requests alone fill the SMs (B * KVH > target_programs
+      / 2: one split), else 32 (with 3 stages). H200, all 12 benchmark shapes in one call
+      (bench/RESULTS.md, 2026-12-01): 16 x 4 stages was 6-12 % faster at every batch >= 64 shape
+      (batch 64 / 4k 301 us against 349) and 8-17 % slower at 5 of the 8 split shapes
+      (batch 1 / 32k 138 against 123); 64 x 2 stages x 8 warps, the first default, took 536.
     block_d: head-dim chunk of the main kernel's dots (power of two, 16..256). None: the whole
       (padded) D for bf16 (one tensor-core MMA with K = D), 32 for fp32: the fp32 dots
       (precision=HIGHEST) run on the CUDA cores, where Triton holds a whole K extent of each
@@ -105,8 +107,8 @@ class AttentionVerifyConfig:
       R * D / 4096 (bf16) clipped to 4..16 (the fp32 accumulator is R * D / (32 * num_warps)
       registers a thread: 64 for fp32 at 8 warps, 128 for bf16 at 4 warps for the 64 x 256 tile of
       the benchmark shape; fewer warps measured faster for bf16, whose dots are tensor-core MMAs).
-    num_stages: Triton software-pipelining depth of the key loop (1..4). None: 3 for bf16 (two
-      K/V blocks in flight while one is multiplied), 1 for fp32.
+    num_stages: Triton software-pipelining depth of the key loop (1..4). None: 1 for fp32; for bf16
+      4 with 16-key blocks, 3 with 32-key blocks (K and V blocks in flight while one is multiplied).
     combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
     """
@@ -145,7 +147,8 @@ class AttentionVerifyConfig:
         """The launch plan of a call (all static)."""
         f32 = jnp.dtype(dtype) == jnp.dtype(F32)
         d_pad = max(16, next_pow2(d))
-        block_k = min(self.block_k or (16 if f32 else 32), max(16, next_pow2(max_len)))
+        fills = 2 * num_requests * kv_heads > self.target_programs        # one split per (request, head)
+        block_k = min(self.block_k or (16 if f32 or fills else 32), max(16, next_pow2(max_len)))
         block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
         if block_d < d_pad and d % block_d:
             # chunks must not overhang D (static slices); else the largest power of two dividing D
@@ -154,7 +157,7 @@ class AttentionVerifyConfig:
         num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
         num_splits = max(1, min(num_splits, pl.cdiv(max_len, min_split)))
         num_warps = self.num_warps or min(16, max(4, rows * d_pad // (2048 if f32 else 4096)))
-        num_stages = self.num_stages or (1 if f32 else 3)
+        num_stages = self.num_stages or (1 if f32 else 4 if fills else 3)
         # split-merge tiles: [splits (pow2), rows, columns] of ~8192 fp32 values per program
         combine_d = min(self.combine_block_d, d_pad)
         combine_rows = max(1, min(rows, 8192 // (next_pow2(num_splits) * combine_d)))

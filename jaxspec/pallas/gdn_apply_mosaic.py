@@ -5,7 +5,10 @@ ring_u part, no layer stacks and t_max <= 8: o [N, HV, V] float32 and ring_u wit
 records written; the math is in the `gdn_verify_two_pass` docstring:
     [U; O] = M [Z; V] + M_h U_hist,   Z = [k rows; q rows] h0.
 Reached only through `apply_mosaic` (tests, bench/gdn_verify_kernel.py): impl="auto" keeps the
-Triton apply until this kernel has been timed against it on the H200.
+Triton apply, which the H200 runs 3x faster (bench/RESULTS.md, 2026-12-01 second session: ~315
+against ~82 us at batch 128). This kernel needs 192-224 KB of shared memory, so one program runs per
+SM, and each program is a serial chain of TMA waits, register passes and wgmma groups (~7 us) with
+no other program's loads in flight.
 
 Why the layout is what it is: in jax 0.11.2 Mosaic gives register tiles of fewer than 64 rows
 strided layouts that cannot be stored into the swizzled SMEM a wgmma operand needs, so every

@@ -195,8 +195,9 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
     (accepted < verified); later positions are not observed. Positions whose feature is not
     finite contribute nothing (selected away). Rows with verified = 0 (padding) observe nothing.
 
-    impl: "auto" (jnp unless `jaxspec.pallas.observe.AUTO_ON_GPU`), "ref" (jnp: eight small
-    kernels on the GPU) or "pallas" (`jaxspec.pallas.observe`: statistics and refit in one launch).
+    impl: "auto" (on a GPU the kernel while `jaxspec.pallas.observe.AUTO_ON_GPU`, else jnp), "ref"
+    (jnp: eight small kernels on the GPU) or "pallas" (`jaxspec.pallas.observe`: statistics and
+    refit in one launch).
     """
     x = jnp.asarray(x, jnp.float32)
     if x.ndim != 2:
