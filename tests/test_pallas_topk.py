@@ -127,6 +127,10 @@ def gen_rows(rng, kind, rows, vocab, k, dtype):
             x[2] = -np.inf
             x[2, -3:] = [1.0, 2.0, 1.0]                    # finite only in the tail chunk
         return x
+    if kind == "masked":                                   # a masked vocabulary: 99 % -inf
+        x = rng.standard_normal((rows, vocab)).astype(np.float32)
+        x[rng.random((rows, vocab)) < 0.99] = -np.inf
+        return x
     if kind == "special":
         x = rng.standard_normal((rows, vocab)).astype(np.float32)
         pick = rng.random((rows, vocab))
@@ -177,6 +181,42 @@ def test_top_k_interpret(kind, k, dtype, bisection):
     check_candidates(np.asarray(x.astype(jnp.float32)), k, cfg.resolve(4, vocab, k), ck, cc)
 
 
+@pytest.mark.parametrize("bisection", ["inline", "fixup"])
+@pytest.mark.parametrize("kind", ["ties", "clustered", "neginf"])
+def test_top_k_bf16_unpacked(kind, bisection):
+    """pack_bf16=False: bfloat16 logits through the (key, column) path of float32."""
+    k = 64
+    cfg, vocab = (CLUSTER, 2000) if kind == "clustered" else (SMALL, 1000)
+    cfg = dataclasses.replace(cfg, bisection=bisection, pack_bf16=False)
+    x = jnp.asarray(gen_rows(np.random.default_rng(21), kind, 4, vocab, k, jnp.bfloat16), jnp.bfloat16)
+    vals, idx, ck, cc = run_top_k(x, k, cfg, candidates=True)
+    check_top_k(x, k, vals, idx)
+    check_candidates(np.asarray(x.astype(jnp.float32)), k, cfg.resolve(4, vocab, k), ck, cc)
+
+
+def test_packed_keys_order_and_unpack():
+    """Packed bf16 keys order as (logit descending, column ascending) over every bf16 pattern, and
+    unpack_candidates gives back the sort key and the column; reserved values stay reserved."""
+    patterns = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    x = np.asarray(jnp.asarray(patterns.view(jnp.bfloat16)).astype(jnp.float32))     # every bf16 value
+    keys = np.maximum(np_keys(x), tk.KEY_FLOOR).astype(np.int64)
+    chunk, rng = 4096, np.random.default_rng(4)
+    offset = rng.integers(0, chunk, keys.size)
+    packed = ((keys & 0xFFFF0000) | (0xFFFF - offset)).astype(np.int64)
+    packed = np.where(packed >= 2**31, packed - 2**32, packed)
+    assert packed.min() >= tk.KEY_FLOOR
+    a, b = rng.integers(0, keys.size, (2, 200_000))
+    want = (keys[a] > keys[b]) | ((keys[a] == keys[b]) & (offset[a] < offset[b]))
+    np.testing.assert_array_equal(packed[a] > packed[b], want)
+    pick = rng.choice(keys.size, (2, 1000), replace=False)                   # two chunks of candidates
+    grid = jnp.asarray(np.concatenate([packed[pick], [[tk.SENTINEL, INT_MIN]] * 2], 1).astype(np.int32)[None])
+    sort, cols = (np.asarray(a)[0] for a in tk.unpack_candidates(grid, chunk))
+    np.testing.assert_array_equal(sort[:, :-2], keys[pick])
+    np.testing.assert_array_equal(cols[:, :-2], offset[pick] + np.arange(2)[:, None] * chunk)
+    np.testing.assert_array_equal(sort[:, -2:], [[tk.SENTINEL, INT_MIN]] * 2)
+    np.testing.assert_array_equal(cols[:, -2:], -1)
+
+
 def test_top_k_special_values():
     """NaN, -NaN, +-inf, -0.0 / +0.0: the IEEE total order of lax.top_k, bit-exact values."""
     rng = np.random.default_rng(1)
@@ -207,6 +247,31 @@ def test_top_k_bisection_is_exercised(k):
     gmax = keys.reshape(4, plan["groups"], -1).max(-1)
     t0 = -np.sort(-gmax, axis=1)[:, k - 1]
     assert np.all((keys > t0[:, None]).sum(1) > plan["slots"])
+
+
+def np_packed_keys(x, chunk):
+    """Stage 1's packed bf16 keys (int64 values of the int32 bits), by numpy."""
+    keys = np.maximum(np_keys(x), tk.KEY_FLOOR)
+    offset = np.arange(x.shape[1]) % chunk
+    packed = (keys & 0xFFFF0000) | (0xFFFF - offset)
+    return np.where(packed >= 2**31, packed - 2**32, packed)
+
+
+@pytest.mark.parametrize("bisection", ["inline", "fixup"])
+@pytest.mark.parametrize("k", [20, 64])
+def test_top_k_masked_vocabulary_bf16(k, bisection):
+    """99 % -inf: the group-maximum threshold falls inside the run of -inf keys, so packed stage 1
+    bisects among ties (the first chunk of row 0 checked by numpy); exact results and candidates."""
+    cfg = tk.TopKConfig(chunk=512, bisection=bisection)
+    plan = cfg.resolve(4, 3000, k)
+    x = jnp.asarray(gen_rows(np.random.default_rng(k), "masked", 4, 3000, k, jnp.float32), jnp.bfloat16)
+    packed = np_packed_keys(np.asarray(x[:1, :512].astype(jnp.float32)), 512)[0]
+    gmax = packed.reshape(plan["groups"], -1).max(-1)
+    t0 = np.sort(gmax)[::-1][k - 1]
+    assert (packed >= t0).sum() > plan["slots"], "the case must need the bisection"
+    vals, idx, ck, cc = run_top_k(x, k, cfg, candidates=True)
+    check_top_k(x, k, vals, idx)
+    check_candidates(np.asarray(x.astype(jnp.float32)), k, plan, ck, cc)
 
 
 @pytest.mark.parametrize("vocab,k,rows", [(40, 8, 3), (20, 20, 2), (300, 20, 5), (130, 64, 2), (5000, 64, 3)])
@@ -346,6 +411,8 @@ def test_config_validation_and_plans():
         tk.TopKConfig(slots=16).resolve(8, 1000, 20)
     with pytest.raises(ValueError, match="bisection"):
         tk.TopKConfig(bisection="loop")
+    with pytest.raises(ValueError, match="pack_bf16"):                   # 3880 chunks x 32 slots
+        tk.top_k(jnp.zeros((1, 248320), jnp.bfloat16), 16, config=tk.TopKConfig(chunk=64))
     p = tk.TopKConfig().resolve(1024, 248320, 64)
     assert (p["chunk"], p["groups"], p["slots"], p["num_chunks"], p["candidates"], p["stage2_block"]) == \
         (4096, 128, 128, 61, 7808, 8192)
@@ -389,7 +456,8 @@ def test_argmax_lowers_for_h200(rows, vocab, dtype):
 
 def test_poisoned_and_config_variants_lower_for_h200():
     S = jax.ShapeDtypeStruct((1024, 248320), jnp.bfloat16)
-    for cfg in [tk.TopKConfig(chunk=16384, num_warps=16), tk.TopKConfig(chunk=4096, num_warps=4, stage2_warps=4)]:
+    for cfg in [tk.TopKConfig(chunk=16384, num_warps=16), tk.TopKConfig(chunk=4096, num_warps=4, stage2_warps=4),
+                tk.TopKConfig(pack_bf16=False)]:
         lower_for_h200(lambda x: tk.top_k(x, 64, config=cfg, interpret=False, poison_outputs=True), S)
     lower_for_h200(lambda x: tk.argmax(x, config=tk.ArgmaxConfig(splits=4), interpret=False, poison_outputs=True), S)
     # (the op-level dispatch picks interpret mode from the default backend, the CPU here: not lowered)
@@ -419,7 +487,7 @@ def test_top_k_gpu(rows, vocab, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("bisection", ["inline", "fixup"])
-@pytest.mark.parametrize("kind", ["ties", "neginf", "special", "clustered"])
+@pytest.mark.parametrize("kind", ["ties", "neginf", "special", "clustered", "masked"])
 def test_top_k_gpu_adversarial(kind, dtype, bisection):
     rng = np.random.default_rng(11)
     x = jnp.asarray(gen_rows(rng, kind, 6, 248320, 64, dtype), dtype)
@@ -435,7 +503,8 @@ def test_top_k_gpu_adversarial(kind, dtype, bisection):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(chunk=2048, stage2_warps=4), dict(chunk=16384, num_warps=16),
                                  dict(chunk=8192, groups=32, slots=256), dict(chunk=1024, num_warps=2, stage2_warps=16),
-                                 dict(bisection="fixup")])
+                                 dict(bisection="fixup"), dict(pack_bf16=False),
+                                 dict(pack_bf16=False, bisection="fixup")])
 def test_top_k_gpu_configs(cfg):
     rng = np.random.default_rng(12)
     x = jnp.asarray(gen_rows(rng, "ties", 64, 248320 - 5, 64, jnp.bfloat16), jnp.bfloat16)

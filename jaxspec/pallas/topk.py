@@ -58,6 +58,19 @@ next_pow2(2k)) (128 for k = 64, 64 for k = 20). It never sorts:
   of (key, index) pairs over the chunk plus layout shuffles, also far more than one pass. The
   filter keeps stage 1 close to a single read of the logits.
 
+Packed bfloat16 keys (TopKConfig.pack_bf16, the default): a bfloat16 logit's key has all its
+information in the high 16 bits (the low half is 0x0000, or 0xFFFF for a negative number), so
+stage 1 replaces the low half by 0xFFFF - (column offset in the chunk): the packed keys of a chunk
+are distinct and ordered by (logit descending, column ascending), the order lax.top_k wants. Steps
+2-4 then have no ties: the candidates are {key >= t} with k <= #{key >= t} <= M (the bisection, when
+needed, ends at the k-th largest key, where the count is exactly k), one cumsum gives the slots, and
+one scatter store writes them (no column array: stage 2 gets the column back from the candidate's
+position, chunk = position // M, and the low half). The low half orders equal logits inside a
+chunk only; stage 2 re-packs each candidate with 0xFFFF - its position, which orders them across
+chunks too (positions follow the columns; at most 2**16 candidates a row). Each masked [chunk] scatter costs stage 1 about
+220 us at 1024 x 248,320 on the H200 (a thread issues chunk / threads predicated stores, though at
+most M lanes write), so this removes one of two along with the tie bookkeeping.
+
 Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (7808
 at 248,320 x k = 64, chunk 4096) and runs k rounds of argmax (one tuple reduction: max key, lowest
 position on ties) + remove. Candidate positions increase with the column (chunks in order, column
@@ -72,7 +85,10 @@ Where stage 1's time goes (H200, 1024 x 248,320 bf16, k = 64; timing-only varian
 2026-12-01): load + key + one max 155-165 us (the read floor), + group maxima ~160, + the [G, G]
 threshold 225-243, + the (gt, eq) count 331-337, + the compaction scan 387-435, the whole stage 1
 1050-1450 (the bisection loop that does not run, the scatter stores and the register pressure of
-keeping the chunk live across them). Reaching 2x the read floor needs a stage 1 of ~25 instructions
+keeping the chunk live across them); a second probe (12-01, second session): + the key scatter
+store 693, + the column scatter store 914, + the SENTINEL fill 976, stage 1 1029. Packed bf16 keys
+drop the column store and the tie bookkeeping: stage 1 700-790 us, the whole top-k 0.97 ms (1.29x
+faster at k = 64, 1.35x at k = 20). Reaching 2x the read floor needs a stage 1 of ~25 instructions
 an element: the H200 issues ~17 a bf16 element at its copy bandwidth.
 
 Greedy argmax
@@ -103,7 +119,8 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # and the dispatch test), so impl="auto" takes the top-k kernel on the GPU (ops/sampling.py).
 GPU_VALIDATED = True
 MAX_K = 64                  # largest k the top-k kernel takes (registers of the stage-2 rounds)
-MAX_CHUNK = 16384           # counts are packed as gt + eq << 16 (eq <= chunk must stay < 2**15)
+MAX_CHUNK = 16384           # counts are packed as gt + eq << 16 (eq <= chunk must stay < 2**15);
+                            # packed bf16 keys hold 0xFFFF - offset in their low half
 MAX_CANDIDATES = 16384      # stage 2 keeps a row's candidates in registers
 _TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM before tiles grow
 
@@ -111,6 +128,7 @@ REMOVED = -2**31            # an entry already taken (stage 2), the argmax's ini
 SENTINEL = -2**31 + 1       # out-of-range column / empty candidate slot
 KEY_FLOOR = -2**31 + 2      # smallest key of a real logit
 _MAGNITUDE = 0x7FFFFFFF
+_HIGH_HALF = -2**16           # 0xFFFF0000: the high half of an int32 (a bfloat16 logit's whole key)
 _I32_MAX = 2**31 - 1
 
 
@@ -154,6 +172,10 @@ class TopKConfig:
       every program). "fixup": stage 1 only flags such chunks (writing no candidates for them), and
       a second kernel, one program per row, redoes the flagged chunks with the bisection; stage 1
       then holds no loop. Both give the same candidates.
+    pack_bf16: bfloat16 logits keep one int32 per candidate, the key's high half (all of a bf16
+      key's information) over 0xFFFF - the column's offset in the chunk: keys become distinct and
+      their order is (logit descending, column ascending), so stage 1 needs no tie handling and
+      one scatter store instead of two (module docstring, "Packed bfloat16 keys").
     """
     chunk: int | None = None
     groups: int | None = None
@@ -161,6 +183,7 @@ class TopKConfig:
     num_warps: int | None = None
     stage2_warps: int | None = None
     bisection: str = "inline"
+    pack_bf16: bool = True
 
     def __post_init__(self):
         if self.bisection not in ("inline", "fixup"):
@@ -196,6 +219,7 @@ class TopKConfig:
         stage2_block = max(16, next_pow2(candidates))
         return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
                     candidates=candidates, stage2_block=stage2_block, bisection=self.bisection,
+                    pack_bf16=self.pack_bf16,
                     num_warps=self.num_warps or 4,
                     stage2_warps=self.stage2_warps or (16 if stage2_block > 8192 else 8))
 
@@ -292,13 +316,17 @@ def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups,
     cols = c0 + local
     inb = cols < vocab
     x = plgpu.load(x_ref.at[r, pl.ds(c0, chunk)], mask=inb, other=0)
-    key = jnp.where(inb, jnp.maximum(sort_key(x), _i32(KEY_FLOOR)), _i32(SENTINEL))
+    key = jnp.maximum(sort_key(x), _i32(KEY_FLOOR))
+    if col_ref is None:                        # packed bf16 keys: distinct, (logit desc, column asc)
+        key = (key & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - local)
+    key = jnp.where(inb, key, _i32(SENTINEL))
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
 
     if slots >= chunk:
         # Small vocabulary: every column is a candidate (out-of-range ones carry SENTINEL).
         plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], key)
-        plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
+        if col_ref is not None:
+            plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
         return jnp.bool_(False)
 
     # 1. threshold: the k-th largest of the G group maxima, by counting (no serial rounds).
@@ -306,6 +334,8 @@ def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups,
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)      # #{h: m_h >= m_g}
     t0 = jnp.max(jnp.where(cnt >= k, gmax, _i32(SENTINEL)))
     top = jnp.max(gmax)
+    if col_ref is None:
+        return _packed_candidates(key, key_ref, r, c, t0, top, k=k, slots=slots, bisect=bisect)
 
     def counts(t):
         packed = (key > t).astype(jnp.int32) | (((key == t) & inb).astype(jnp.int32) << 16)
@@ -347,20 +377,69 @@ def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups,
     return overflow
 
 
-def _stage1_kernel(x_ref, *refs, bisect, **geometry):
-    """One (row, chunk): its candidates; with bisect=False also its overflow flag."""
+def _packed_candidates(key, key_ref, r, c, t0, top, *, k, slots, bisect):
+    """The packed-key form of steps 2-4: keys are distinct, so the candidates are {key >= t} with
+    k <= #{key >= t} <= slots, stored in column order by one scatter (no ties to cap)."""
+    def count(t):
+        return jnp.sum((key >= t).astype(jnp.int32))
+
+    def cond(state):
+        _, _, _, n, it = state
+        return (n > slots) & (it < 40)             # ends by 34 steps: at lo == hi, n == k
+
+    def body(state):
+        lo, hi, t, n, it = state
+        # The first step splits at the least key of a larger logit than t's (band_top + 1): the
+        # cut is then either above it or among the ties of t's logit (long runs of equal logits,
+        # e.g. a masked vocabulary's -inf), where 16 steps over the low half find it, not 32.
+        band_top = lo | _i32(0xFFFF)
+        mid = jnp.where((it == 0) & (band_top < hi), band_top + 1, _ceil_avg(lo, hi))
+        m = count(mid)
+        ok = m >= k                                # #{key >= mid} >= k: mid is a valid threshold
+        return (jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1), jnp.where(ok, mid, t),
+                jnp.where(ok, m, n), it + 1)
+
+    t = jnp.maximum(t0, _i32(KEY_FLOOR))           # a tail chunk with < k real groups: every real key
+    n = count(t)
     if bisect:
-        key_ref, col_ref = refs[-2:]      # refs[:-2]: poisoned buffers aliased to the outputs (tests)
-    else:
-        key_ref, col_ref, flag_ref = refs[-3:]
+        _, _, t, n, _ = lax.while_loop(cond, body, (t, top, t, n, _i32(0)))
+    overflow = n > slots
+    sel = (key >= t) & ~overflow
+    pos = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, _i32(slots))
+    plgpu.store(key_ref.at[r, c, pos], key, mask=sel)
+    empty = (jnp.arange(slots, dtype=jnp.int32) >= n) & ~overflow
+    plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
+    return overflow
+
+
+def unpack_candidates(keys, chunk):
+    """Packed bf16 candidates [rows, num_chunks, slots] -> (sort keys, columns), as the unpacked
+    path writes them; reserved values (SENTINEL, and INT_MIN in a poisoned slot nobody wrote)
+    are kept, with column -1."""
+    real = keys >= KEY_FLOOR
+    sort = (keys & _HIGH_HALF) | jnp.where(keys < 0, 0xFFFF, 0)
+    chunk_ids = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :, None]
+    cols = chunk_ids * chunk + (0xFFFF - (keys & 0xFFFF))
+    return jnp.where(real, sort, keys), jnp.where(real, cols, -1)
+
+
+def _stage1_kernel(x_ref, *refs, bisect, packed, **geometry):
+    """One (row, chunk): its candidates; with bisect=False also its overflow flag. Outputs (the
+    last refs; before them, poisoned buffers aliased to them in tests): keys, columns unless
+    packed, the flags unless bisect."""
+    outs = list(refs[-(1 + (not packed) + (not bisect)):])
+    key_ref = outs.pop(0)
+    col_ref = None if packed else outs.pop(0)
     r, c = pl.program_id(0), pl.program_id(1)
     overflow = _chunk_candidates(x_ref, key_ref, col_ref, r, c, bisect=bisect, **geometry)
     if not bisect:
-        flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
+        outs[0][...] = jnp.full((1, 1), overflow, jnp.int32)
 
 
-def _fixup_kernel(x_ref, flag_ref, _key_in, _col_in, key_ref, col_ref, *, num_chunks, flags_pad, **geometry):
-    """One row: redo its flagged chunks with the bisection (key_ref / col_ref alias stage 1's)."""
+def _fixup_kernel(x_ref, flag_ref, *refs, packed, num_chunks, flags_pad, **geometry):
+    """One row: redo its flagged chunks with the bisection (the outputs alias stage 1's buffers,
+    which come first in refs)."""
+    key_ref, col_ref = (refs[-1], None) if packed else refs[-2:]
     r = pl.program_id(0)
     ids = jnp.arange(flags_pad, dtype=jnp.int32)
     flags = plgpu.load(flag_ref.at[r, pl.ds(0, flags_pad)], mask=ids < num_chunks, other=0)
@@ -374,12 +453,17 @@ def _fixup_kernel(x_ref, flag_ref, _key_in, _col_in, key_ref, col_ref, *, num_ch
     lax.fori_loop(0, num_chunks, chunk, 0)
 
 
-def _stage2_kernel(x_ref, key_ref, col_ref, *refs, k, candidates, block, k_block):
-    """One row: the k largest candidates in lax.top_k order, then their logits."""
+def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed, slots, chunk):
+    """One row: the k largest candidates in lax.top_k order, then their logits. Packed keys carry
+    the column: chunk = position // slots, offset = 0xFFFF - low half; their low half orders ties
+    inside a chunk only, so here it is replaced by 0xFFFF - position (positions increase with the
+    column, and block <= 2**16, `top_k` checks): distinct keys in (logit desc, column asc) order."""
     val_ref, idx_ref = refs[-2:]
     r = pl.program_id(0)
     pos = jnp.arange(block, dtype=jnp.int32)
     keys = plgpu.load(key_ref.at[r, pl.ds(0, block)], mask=pos < candidates, other=REMOVED)
+    if packed:
+        keys = jnp.where(keys >= _i32(KEY_FLOOR), (keys & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - pos), _i32(REMOVED))
     j = jnp.arange(k_block, dtype=jnp.int32)
 
     def round_(i, carry):
@@ -389,7 +473,12 @@ def _stage2_kernel(x_ref, key_ref, col_ref, *refs, k, candidates, block, k_block
 
     _, picked = lax.fori_loop(0, k, round_, (keys, jnp.zeros((k_block,), jnp.int32)))
     live = j < k
-    cols = plgpu.load(col_ref.at[r, picked], mask=live, other=0)
+    if packed:
+        pk = plgpu.load(key_ref.at[r, picked], mask=live, other=0)
+        cols = (picked // slots) * chunk + (_i32(0xFFFF) - (pk & _i32(0xFFFF)))
+    else:
+        cols = plgpu.load(refs[0].at[r, picked], mask=live, other=0)
+    cols = jnp.where(live, cols, 0)
     vals = plgpu.load(x_ref.at[r, cols], mask=live, other=0)
     plgpu.store(val_ref.at[r, pl.ds(0, k_block)], vals, mask=live)
     plgpu.store(idx_ref.at[r, pl.ds(0, k_block)], cols, mask=live)
@@ -410,20 +499,27 @@ def _outputs(shapes, poison, first_input):
     return out_shape, extra, {first_input + i: i for i in range(len(shapes))}
 
 
+def packs_keys(x, plan) -> bool:
+    """Whether stage 1 writes packed keys (bfloat16 logits, TopKConfig.pack_bf16)."""
+    return plan["pack_bf16"] and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16)
+
+
 def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
-    """Stage 1 alone: x [rows, vocab] -> (keys, columns) [rows, num_chunks, slots] int32."""
+    """Stage 1 alone: x [rows, vocab] -> (keys, columns) [rows, num_chunks, slots] int32; packed
+    keys (`packs_keys`) come with columns None (`unpack_candidates` recovers both)."""
     rows, vocab = x.shape
     chunk, slots, nch = plan["chunk"], plan["slots"], plan["num_chunks"]
+    packed = packs_keys(x, plan)
     geometry = dict(vocab=vocab, k=k, chunk=chunk, groups=plan["groups"], slots=slots)
     inline = plan["bisection"] == "inline"
-    shapes = [((rows, nch, slots), jnp.int32)] * 2
+    shapes = [((rows, nch, slots), jnp.int32)] * (1 if packed else 2)
     out_shape, extra, aliases = _outputs(shapes, poison_outputs, 1)
     specs = {}
     if not inline:       # + the overflow flags [rows, nch], one element a program
         out_shape += (jax.ShapeDtypeStruct((rows, nch), jnp.int32),)
-        specs = dict(out_specs=(pl.no_block_spec,) * 2 + (pl.BlockSpec((1, 1), lambda r, c: (r, c)),))
+        specs = dict(out_specs=(pl.no_block_spec,) * len(shapes) + (pl.BlockSpec((1, 1), lambda r, c: (r, c)),))
     outs = pl.pallas_call(
-        functools.partial(_stage1_kernel, bisect=inline, **geometry),
+        functools.partial(_stage1_kernel, bisect=inline, packed=packed, **geometry),
         out_shape=out_shape,
         **specs,
         grid=(rows, nch),
@@ -432,35 +528,41 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
         interpret=interpret,
         name="topk_stage1",
     )(x, *extra)
-    if inline:
-        return outs
-    keys, cols, flags = outs
-    return pl.pallas_call(
-        functools.partial(_fixup_kernel, num_chunks=nch, flags_pad=max(16, next_pow2(nch)), **geometry),
-        out_shape=tuple(jax.ShapeDtypeStruct(s, d) for s, d in shapes),
-        grid=(rows,),
-        input_output_aliases={2: 0, 3: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
-        interpret=interpret,
-        name="topk_stage1_fixup",
-    )(x, flags, keys, cols)
+    if not inline:
+        *cands, flags = outs
+        outs = pl.pallas_call(
+            functools.partial(_fixup_kernel, packed=packed, num_chunks=nch, flags_pad=max(16, next_pow2(nch)),
+                              **geometry),
+            out_shape=tuple(jax.ShapeDtypeStruct(s, d) for s, d in shapes),
+            grid=(rows,),
+            input_output_aliases={2 + i: i for i in range(len(shapes))},
+            compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
+            interpret=interpret,
+            name="topk_stage1_fixup",
+        )(x, flags, *cands)
+    return (outs[0], None) if packed else tuple(outs)
 
 
 def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=False):
-    """Stage 2 alone: the top-k of the candidates -> (values [rows, k] x.dtype, indices [rows, k])."""
+    """Stage 2 alone: the top-k of the candidates -> (values [rows, k] x.dtype, indices [rows, k]).
+    cand_col None: packed keys (`top_k_candidates`)."""
     rows = x.shape[0]
     n = plan["candidates"]
     k_block = max(16, next_pow2(k))
-    out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs, 3)
+    packed = cand_col is None
+    cand = (cand_key.reshape(rows, n),) + (() if packed else (cand_col.reshape(rows, n),))
+    out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs,
+                                         1 + len(cand))
     return pl.pallas_call(
-        functools.partial(_stage2_kernel, k=k, candidates=n, block=plan["stage2_block"], k_block=k_block),
+        functools.partial(_stage2_kernel, k=k, candidates=n, block=plan["stage2_block"], k_block=k_block,
+                          packed=packed, slots=plan["slots"], chunk=plan["chunk"]),
         out_shape=out_shape,
         grid=(rows,),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=plan["stage2_warps"], num_stages=1),
         interpret=interpret,
         name="topk_stage2",
-    )(x, cand_key.reshape(rows, n), cand_col.reshape(rows, n), *extra)
+    )(x, *cand, *extra)
 
 
 def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None = None,
@@ -482,11 +584,15 @@ def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None
     rows, vocab = _rows_vocab(logits)
     x = logits.reshape(rows, vocab)
     plan = (config or TopKConfig()).resolve(rows, vocab, k)
+    if packs_keys(x, plan) and plan["stage2_block"] > 2**16:
+        raise ValueError(f"top_k kernel: config {config} gives {plan['candidates']} candidates a row "
+                         f"(cdiv(vocab, chunk) * slots); packed bf16 keys (pack_bf16) number them in 16 bits: "
+                         f"use a larger chunk")
     cand_key, cand_col = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     vals, idx = top_k_select(x, cand_key, cand_col, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     out = vals.reshape(*lead, k), idx.reshape(*lead, k)
     if candidates_out:
-        return out + (cand_key, cand_col)
+        return out + ((cand_key, cand_col) if cand_col is not None else unpack_candidates(cand_key, plan["chunk"]))
     return out
 
 
