@@ -67,9 +67,10 @@ needed, ends at the k-th largest key, where the count is exactly k), one cumsum 
 one scatter store writes them (no column array: stage 2 gets the column back from the candidate's
 position, chunk = position // M, and the low half). The low half orders equal logits inside a
 chunk only; stage 2 re-packs each candidate with 0xFFFF - its position, which orders them across
-chunks too (positions follow the columns; at most 2**16 candidates a row). Each masked [chunk] scatter costs stage 1 about
-220 us at 1024 x 248,320 on the H200 (a thread issues chunk / threads predicated stores, though at
-most M lanes write), so this removes one of two along with the tie bookkeeping.
+chunks too (positions follow the columns; at most 2**15 candidates a row, so that no re-packed key
+reaches REMOVED). Each masked [chunk] scatter costs stage 1 about 220 us at 1024 x 248,320 on the
+H200 (a thread issues chunk / threads predicated stores, though at most M lanes write), so this
+removes one of two along with the tie bookkeeping.
 
 Stage 2, grid (rows,): one program per row loads the row's cdiv(vocab, chunk) * M candidates (7808
 at 248,320 x k = 64, chunk 4096) and runs k rounds of argmax (one tuple reduction: max key, lowest
@@ -457,7 +458,8 @@ def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed,
     """One row: the k largest candidates in lax.top_k order, then their logits. Packed keys carry
     the column: chunk = position // slots, offset = 0xFFFF - low half; their low half orders ties
     inside a chunk only, so here it is replaced by 0xFFFF - position (positions increase with the
-    column, and block <= 2**16, `top_k` checks): distinct keys in (logit desc, column asc) order."""
+    column; block <= 2**15, `top_k` checks, keeps them above REMOVED): distinct keys in (logit desc,
+    column asc) order."""
     val_ref, idx_ref = refs[-2:]
     r = pl.program_id(0)
     pos = jnp.arange(block, dtype=jnp.int32)
@@ -584,9 +586,9 @@ def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None
     rows, vocab = _rows_vocab(logits)
     x = logits.reshape(rows, vocab)
     plan = (config or TopKConfig()).resolve(rows, vocab, k)
-    if packs_keys(x, plan) and plan["stage2_block"] > 2**16:
+    if packs_keys(x, plan) and plan["stage2_block"] > 2**15:
         raise ValueError(f"top_k kernel: config {config} gives {plan['candidates']} candidates a row "
-                         f"(cdiv(vocab, chunk) * slots); packed bf16 keys (pack_bf16) number them in 16 bits: "
+                         f"(cdiv(vocab, chunk) * slots); packed bf16 keys (pack_bf16) number them in 15 bits: "
                          f"use a larger chunk")
     cand_key, cand_col = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     vals, idx = top_k_select(x, cand_key, cand_col, k, plan, interpret=interpret, poison_outputs=poison_outputs)
