@@ -22,8 +22,9 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
   bytes (read once) / copy bandwidth measured in the same run (jitted x + 1 over 1 GiB, read + write
   counted; or a torch copy from `--torch-copy` in an earlier process, as in topk_kernel.py).
 - `features+predict+observe V=...`: the whole per-step estimator work, full vocabulary.
-- each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass) and
-  "pallas" (jaxspec/pallas/features.py: one pass with an online maximum).
+- each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass),
+  "pallas" (jaxspec/pallas/features.py: one pass with an online maximum) and "onepass"
+  (estimator.features_one_pass: one XLA variadic reduction).
 - the same with a small vocabulary (--small-vocab, 260: the tiny byte-level models) to isolate the
   estimator math from the logits read.
 
@@ -63,7 +64,8 @@ def parse(argv=None):
     ap.add_argument("--rotate-mib", type=float, default=256, help="rotate input sets up to this many MiB")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--features-impls", default="ref,pallas", help="features implementations to time")
+    ap.add_argument("--features-impls", default="ref,pallas",
+                    help="features implementations to time: ref, pallas, onepass (estimator.features_one_pass)")
     ap.add_argument("--observe-impls", default="ref,pallas",
                     help="observe implementations: ref (jnp, eight kernels), pallas (one launch)")
     ap.add_argument("--features-configs", default="",
@@ -204,12 +206,17 @@ def main(args):
                 floor_us = nbytes / bw * 1e6
 
                 for impl in args.features_impls.split(","):
+                    def feature_fn(lg, impl=impl):
+                        if impl == "onepass":
+                            return est.features_one_pass(lg, temperature)
+                        return est.features(lg, temperature, impl=impl)
+
                     def feat(acc, xs):
-                        return acc + jnp.sum(est.features(xs, temperature, impl=impl))
+                        return acc + jnp.sum(feature_fn(xs))
 
                     def full(state, xs):
                         lg, ver, acc = xs
-                        xk = est.features(lg, temperature, impl=impl)
+                        xk = feature_fn(lg)
                         _, s = est.predict(state, xk)
                         state = est.observe(state, xk, ver, acc)
                         return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])

@@ -17,7 +17,8 @@ than the 60 MB L2, so repeated calls on one buffer measure DRAM, not the cache.
 Also: adversarial inputs at 1024 rows, k = 64 (`--adversarial`, on by default): heavy ties (integer
 logits), a high block at the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf
 (masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection
-x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) at 1024 rows.
+x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024
+rows.
 
 Every kernel result is checked against `lax.top_k` / `jnp.argmax` (indices equal, values equal)
 in the same run; the `ok` column says so.
@@ -58,6 +59,7 @@ def parse(argv=None):
     ap.add_argument("--sweep-bisection", default="inline", help="TopKConfig.bisection values of the sweep")
     ap.add_argument("--sweep-stage2-warps", default="4,8")
     ap.add_argument("--sweep-pack", default="1", help="TopKConfig.pack_bf16 values of the sweep (1 / 0)")
+    ap.add_argument("--sweep-stage2", default="rounds", help="TopKConfig.stage2 values of the sweep")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -153,12 +155,13 @@ def main(args):
                              f"| {fmt(r['stage1_us'])} | {fmt(r['x_gauss'], 2)} | {r['ok']} |")
         if sweep:
             lines += ["", "TopKConfig sweep (Gaussian input).", "",
-                      "| rows | dtype | k | chunk | num_warps | stage2_warps | bisection | pack_bf16 | kernel µs "
-                      "| stage 1 µs | ok |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| rows | dtype | k | chunk | num_warps | stage2_warps | bisection | pack_bf16 | stage2 "
+                      "| kernel µs | stage 1 µs | ok |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sweep:
                 lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['chunk']} | {r['num_warps']} "
-                             f"| {r['stage2_warps']} | {r['bisection']} | {r['pack_bf16']} | {fmt(r['kernel_us'])} "
+                             f"| {r['stage2_warps']} | {r['bisection']} | {r['pack_bf16']} | {r['stage2']} "
+                             f"| {fmt(r['kernel_us'])} "
                              f"| {fmt(r['stage1_us'])} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -246,15 +249,15 @@ def main(args):
                 ref = lax_top_k(k)(x)
                 for chunk in chunks:
                     for nw in [int(w) for w in args.sweep_warps.split(",")]:
-                        for s2w, bis, pack in itertools.product([int(w) for w in args.sweep_stage2_warps.split(",")],
-                                                                args.sweep_bisection.split(","),
-                                                                [bool(int(v)) for v in args.sweep_pack.split(",")]):
+                        for s2w, bis, pack, st2 in itertools.product(
+                                [int(w) for w in args.sweep_stage2_warps.split(",")], args.sweep_bisection.split(","),
+                                [bool(int(v)) for v in args.sweep_pack.split(",")], args.sweep_stage2.split(",")):
                             if over_budget():
                                 break
                             if not pack and dname != "bfloat16":
                                 continue
                             cfg = tk.TopKConfig(chunk=chunk, num_warps=nw, stage2_warps=s2w, bisection=bis,
-                                                pack_bf16=pack)
+                                                pack_bf16=pack, stage2=st2)
                             try:
                                 kus, s1us, out = kernel_times(x, k, cfg)
                                 ok = same(out, ref)
@@ -263,7 +266,8 @@ def main(args):
                                 kus = s1us = None
                                 ok = False
                             sweep.append(dict(rows=rows, dtype=dname, k=k, chunk=chunk, num_warps=nw,
-                                              stage2_warps=s2w, bisection=bis, pack_bf16=pack, kernel_us=kus,
+                                              stage2_warps=s2w, bisection=bis, pack_bf16=pack, stage2=st2,
+                                              kernel_us=kus,
                                               stage1_us=s1us, ok=ok))
                             print(dump()[-1], flush=True)
             del x

@@ -217,6 +217,28 @@ def test_packed_keys_order_and_unpack():
     np.testing.assert_array_equal(cols[:, -2:], -1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("k", [1, 20, 64])
+@pytest.mark.parametrize("kind", ["gauss", "ties", "masked", "clustered"])
+def test_top_k_stage2_filter(kind, k, dtype):
+    """stage2="filter": the selection over the row's candidates, then lax.top_k over next_pow2(2k)."""
+    cfg, vocab = (CLUSTER, 2000) if kind == "clustered" else (SMALL, 1000)
+    x = jnp.asarray(gen_rows(np.random.default_rng(k + 7), kind, 4, vocab, k, dtype), dtype)
+    vals, idx = run_top_k(x, k, dataclasses.replace(cfg, stage2="filter"))
+    check_top_k(x, k, vals, idx)
+
+
+@pytest.mark.parametrize("vocab,k,rows", [(40, 8, 3), (3000, 5, 2), (5000, 64, 3)])
+def test_top_k_stage2_filter_shapes(vocab, k, rows):
+    """Fewer candidates than kept pairs (every candidate passes), default chunks, the unpacked path."""
+    rng = np.random.default_rng(vocab)
+    for dtype in DTYPES:
+        x = jnp.asarray(gen_rows(rng, "ties", rows, vocab, k, dtype), dtype)
+        for pack in (True, False):
+            vals, idx = run_top_k(x, k, tk.TopKConfig(stage2="filter", pack_bf16=pack))
+            check_top_k(x, k, vals, idx)
+
+
 def test_top_k_special_values():
     """NaN, -NaN, +-inf, -0.0 / +0.0: the IEEE total order of lax.top_k, bit-exact values."""
     rng = np.random.default_rng(1)
@@ -411,6 +433,8 @@ def test_config_validation_and_plans():
         tk.TopKConfig(slots=16).resolve(8, 1000, 20)
     with pytest.raises(ValueError, match="bisection"):
         tk.TopKConfig(bisection="loop")
+    with pytest.raises(ValueError, match="stage2"):
+        tk.TopKConfig(stage2="sort")
     with pytest.raises(ValueError, match="pack_bf16"):                   # 3880 chunks x 32 slots
         tk.top_k(jnp.zeros((1, 248320), jnp.bfloat16), 16, config=tk.TopKConfig(chunk=64))
     p = tk.TopKConfig().resolve(1024, 248320, 64)
@@ -457,7 +481,8 @@ def test_argmax_lowers_for_h200(rows, vocab, dtype):
 def test_poisoned_and_config_variants_lower_for_h200():
     S = jax.ShapeDtypeStruct((1024, 248320), jnp.bfloat16)
     for cfg in [tk.TopKConfig(chunk=16384, num_warps=16), tk.TopKConfig(chunk=4096, num_warps=4, stage2_warps=4),
-                tk.TopKConfig(pack_bf16=False)]:
+                tk.TopKConfig(pack_bf16=False), tk.TopKConfig(stage2="filter"),
+                tk.TopKConfig(stage2="filter", pack_bf16=False)]:
         lower_for_h200(lambda x: tk.top_k(x, 64, config=cfg, interpret=False, poison_outputs=True), S)
     lower_for_h200(lambda x: tk.argmax(x, config=tk.ArgmaxConfig(splits=4), interpret=False, poison_outputs=True), S)
     # (the op-level dispatch picks interpret mode from the default backend, the CPU here: not lowered)
@@ -486,12 +511,12 @@ def test_top_k_gpu(rows, vocab, dtype):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("bisection", ["inline", "fixup"])
+@pytest.mark.parametrize("bisection,stage2", [("inline", "rounds"), ("fixup", "rounds"), ("inline", "filter")])
 @pytest.mark.parametrize("kind", ["ties", "neginf", "special", "clustered", "masked"])
-def test_top_k_gpu_adversarial(kind, dtype, bisection):
+def test_top_k_gpu_adversarial(kind, dtype, bisection, stage2):
     rng = np.random.default_rng(11)
     x = jnp.asarray(gen_rows(rng, kind, 6, 248320, 64, dtype), dtype)
-    cfg = tk.TopKConfig(bisection=bisection)
+    cfg = tk.TopKConfig(bisection=bisection, stage2=stage2)
     for k in (1, 20, 64):
         vals, idx, ck, cc = run_top_k(x, k, cfg, interpret=False, candidates=True)
         # the oracle is the contract; lax.top_k on the GPU is compared where no NaN / -0.0 is involved
@@ -504,7 +529,8 @@ def test_top_k_gpu_adversarial(kind, dtype, bisection):
 @pytest.mark.parametrize("cfg", [dict(chunk=2048, stage2_warps=4), dict(chunk=16384, num_warps=16),
                                  dict(chunk=8192, groups=32, slots=256), dict(chunk=1024, num_warps=2, stage2_warps=16),
                                  dict(bisection="fixup"), dict(pack_bf16=False),
-                                 dict(pack_bf16=False, bisection="fixup")])
+                                 dict(pack_bf16=False, bisection="fixup"), dict(stage2="filter"),
+                                 dict(stage2="filter", pack_bf16=False), dict(stage2="filter", chunk=1024)])
 def test_top_k_gpu_configs(cfg):
     rng = np.random.default_rng(12)
     x = jnp.asarray(gen_rows(rng, "ties", 64, 248320 - 5, 64, jnp.bfloat16), jnp.bfloat16)

@@ -77,7 +77,11 @@ at 248,320 x k = 64, chunk 4096) and runs k rounds of argmax (one tuple reductio
 position on ties) + remove. Candidate positions increase with the column (chunks in order, column
 order inside a chunk), so the lowest position among equal keys is the lowest column: the output
 is in `lax.top_k` order. It then gathers the k columns and their logits and writes values [rows, k]
-(input dtype) and indices [rows, k] int32. Candidate traffic (8 bytes x M per chunk, written once
+(input dtype) and indices [rows, k] int32. TopKConfig(stage2="filter") replaces the k rounds by
+the stage-1 selection over the row's candidates (groups strided across the chunks, bisection
+inline) down to next_pow2(2k) (key, column) pairs in column order, a few block reductions instead
+of k, and lets XLA's lax.top_k order those [rows, next_pow2(2k)] (equal keys: lower position, so
+lower column, first) before the values are gathered. Candidate traffic (8 bytes x M per chunk, written once
 and read once) is ~12 % of the fp32 logits bytes and ~25 % of the bf16 ones at k = 64, chunk 4096
 (half that at k = 20 or chunk 8192; the sweep still found 4096 faster: stage 1 is bound by
 instruction issue, not by bytes).
@@ -177,6 +181,10 @@ class TopKConfig:
       key's information) over 0xFFFF - the column's offset in the chunk: keys become distinct and
       their order is (logit descending, column ascending), so stage 1 needs no tie handling and
       one scatter store instead of two (module docstring, "Packed bfloat16 keys").
+    stage2: "rounds": k rounds of argmax over the row's candidates (k block reductions). "filter":
+      the stage-1 selection once more over the row's candidates (one group-maximum threshold, a
+      count, a scan: a few block reductions) down to next_pow2(2k) of them, then jax.lax.top_k
+      over those [rows, next_pow2(2k)] in XLA (module docstring, "Stage 2").
     """
     chunk: int | None = None
     groups: int | None = None
@@ -185,10 +193,13 @@ class TopKConfig:
     stage2_warps: int | None = None
     bisection: str = "inline"
     pack_bf16: bool = True
+    stage2: str = "rounds"
 
     def __post_init__(self):
         if self.bisection not in ("inline", "fixup"):
             raise ValueError(f"TopKConfig.bisection={self.bisection!r}: must be 'inline' or 'fixup'")
+        if self.stage2 not in ("rounds", "filter"):
+            raise ValueError(f"TopKConfig.stage2={self.stage2!r}: must be 'rounds' or 'filter'")
         if self.chunk is not None and not (is_pow2(self.chunk) and 64 <= self.chunk <= MAX_CHUNK):
             raise ValueError(f"TopKConfig.chunk={self.chunk!r}: must be a power of two in [64, {MAX_CHUNK}]")
         if self.groups is not None and not (is_pow2(self.groups) and 2 <= self.groups <= 256):
@@ -220,7 +231,7 @@ class TopKConfig:
         stage2_block = max(16, next_pow2(candidates))
         return dict(chunk=chunk, groups=groups, slots=slots, num_chunks=num_chunks,
                     candidates=candidates, stage2_block=stage2_block, bisection=self.bisection,
-                    pack_bf16=self.pack_bf16,
+                    pack_bf16=self.pack_bf16, stage2=self.stage2,
                     num_warps=self.num_warps or 4,
                     stage2_warps=self.stage2_warps or (16 if stage2_block > 8192 else 8))
 
@@ -307,36 +318,26 @@ def _ceil_avg(lo, hi):
     return (lo | hi) - ((lo ^ hi) >> 1)
 
 
-def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups, slots, bisect):
-    """Write `slots` candidates (key, column) of chunk c of row r, a superset of its top-k.
+def _select(key, inb, *, k, groups, slots, bisect, distinct, strided=False):
+    """Steps 1-4 over one register-resident vector of keys [n] (SENTINEL where not inb): which keys
+    are candidates and their slots in column order.
 
-    bisect=False: a chunk with more than `slots` keys above t0 writes no candidates (its slots keep
-    what they held); returns whether that happened (the chunk needs the bisection)."""
-    c0 = c * chunk
-    local = jnp.arange(chunk, dtype=jnp.int32)
-    cols = c0 + local
-    inb = cols < vocab
-    x = plgpu.load(x_ref.at[r, pl.ds(c0, chunk)], mask=inb, other=0)
-    key = jnp.maximum(sort_key(x), _i32(KEY_FLOOR))
-    if col_ref is None:                        # packed bf16 keys: distinct, (logit desc, column asc)
-        key = (key & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - local)
-    key = jnp.where(inb, key, _i32(SENTINEL))
-    slot_ids = jnp.arange(slots, dtype=jnp.int32)
-
-    if slots >= chunk:
-        # Small vocabulary: every column is a candidate (out-of-range ones carry SENTINEL).
-        plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], key)
-        if col_ref is not None:
-            plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
-        return jnp.bool_(False)
-
+    -> (sel [n] bool, pos [n] int32: the slot of each selected key, n_sel, overflow). distinct:
+    packed keys (no ties: {key >= t}); else keys > t plus the first ties at t. bisect=False: when
+    more than `slots` keys lie above t0, nothing is selected and overflow is set. strided: group g
+    is keys g, g + G, g + 2G, ... (stage 2, where each chunk's real candidates come first in its
+    slots, so contiguous groups of empty slots would give too few real maxima)."""
+    n_keys = key.shape[0]
     # 1. threshold: the k-th largest of the G group maxima, by counting (no serial rounds).
-    gmax = jnp.max(key.reshape(groups, chunk // groups), axis=1)                  # [G]
+    if strided:
+        gmax = jnp.max(key.reshape(n_keys // groups, groups), axis=0)             # [G]
+    else:
+        gmax = jnp.max(key.reshape(groups, n_keys // groups), axis=1)             # [G]
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)      # #{h: m_h >= m_g}
     t0 = jnp.max(jnp.where(cnt >= k, gmax, _i32(SENTINEL)))
     top = jnp.max(gmax)
-    if col_ref is None:
-        return _packed_candidates(key, key_ref, r, c, t0, top, k=k, slots=slots, bisect=bisect)
+    if distinct:
+        return _select_distinct(key, t0, top, k=k, slots=slots, bisect=bisect)
 
     def counts(t):
         packed = (key > t).astype(jnp.int32) | (((key == t) & inb).astype(jnp.int32) << 16)
@@ -369,18 +370,12 @@ def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups,
     ties_before = jnp.minimum(scan >> 16, cap)
     sel = (gt | (eq & ((scan >> 16) <= cap))) & ~overflow
     pos = jnp.where(sel, (scan & _i32(0xFFFF)) + ties_before - 1, _i32(slots))     # slots: masked off
-    plgpu.store(key_ref.at[r, c, pos], key, mask=sel)
-    plgpu.store(col_ref.at[r, c, pos], cols, mask=sel)
-    n_sel = n_gt + jnp.minimum(n_eq, cap)
-    empty = (slot_ids >= n_sel) & ~overflow
-    plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
-    plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], jnp.zeros((slots,), jnp.int32), mask=empty)
-    return overflow
+    return sel, pos, n_gt + jnp.minimum(n_eq, cap), overflow
 
 
-def _packed_candidates(key, key_ref, r, c, t0, top, *, k, slots, bisect):
+def _select_distinct(key, t0, top, *, k, slots, bisect):
     """The packed-key form of steps 2-4: keys are distinct, so the candidates are {key >= t} with
-    k <= #{key >= t} <= slots, stored in column order by one scatter (no ties to cap)."""
+    k <= #{key >= t} <= slots, in column order (no ties to cap)."""
     def count(t):
         return jnp.sum((key >= t).astype(jnp.int32))
 
@@ -407,9 +402,46 @@ def _packed_candidates(key, key_ref, r, c, t0, top, *, k, slots, bisect):
     overflow = n > slots
     sel = (key >= t) & ~overflow
     pos = jnp.where(sel, jnp.cumsum(sel.astype(jnp.int32)) - 1, _i32(slots))
-    plgpu.store(key_ref.at[r, c, pos], key, mask=sel)
-    empty = (jnp.arange(slots, dtype=jnp.int32) >= n) & ~overflow
-    plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
+    return sel, pos, n, overflow
+
+
+def _store_candidates(key_ref, col_ref, at, key, cols, sel, pos, n_sel, overflow, slots):
+    """Scatter the selected (key, column) to their slots of key_ref / col_ref at index prefix `at`
+    (col_ref None: keys only) and SENTINEL / 0 into the slots >= n_sel; nothing on overflow."""
+    plgpu.store(key_ref.at[(*at, pos)], key, mask=sel)
+    if col_ref is not None:
+        plgpu.store(col_ref.at[(*at, pos)], cols, mask=sel)
+    empty = (jnp.arange(slots, dtype=jnp.int32) >= n_sel) & ~overflow
+    plgpu.store(key_ref.at[(*at, pl.ds(0, slots))], jnp.full((slots,), SENTINEL, jnp.int32), mask=empty)
+    if col_ref is not None:
+        plgpu.store(col_ref.at[(*at, pl.ds(0, slots))], jnp.zeros((slots,), jnp.int32), mask=empty)
+
+
+def _chunk_candidates(x_ref, key_ref, col_ref, r, c, *, vocab, k, chunk, groups, slots, bisect):
+    """Write `slots` candidates (key, column) of chunk c of row r, a superset of its top-k
+    (col_ref None: packed bf16 keys, which carry the column).
+
+    bisect=False: a chunk with more than `slots` keys above t0 writes no candidates (its slots keep
+    what they held); returns whether that happened (the chunk needs the bisection)."""
+    c0 = c * chunk
+    local = jnp.arange(chunk, dtype=jnp.int32)
+    cols = c0 + local
+    inb = cols < vocab
+    x = plgpu.load(x_ref.at[r, pl.ds(c0, chunk)], mask=inb, other=0)
+    key = jnp.maximum(sort_key(x), _i32(KEY_FLOOR))
+    if col_ref is None:                        # packed bf16 keys: distinct, (logit desc, column asc)
+        key = (key & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - local)
+    key = jnp.where(inb, key, _i32(SENTINEL))
+
+    if slots >= chunk:
+        # Small vocabulary: every column is a candidate (out-of-range ones carry SENTINEL).
+        plgpu.store(key_ref.at[r, c, pl.ds(0, slots)], key)
+        if col_ref is not None:
+            plgpu.store(col_ref.at[r, c, pl.ds(0, slots)], cols)
+        return jnp.bool_(False)
+    sel, pos, n_sel, overflow = _select(key, inb, k=k, groups=groups, slots=slots, bisect=bisect,
+                                        distinct=col_ref is None)
+    _store_candidates(key_ref, col_ref, (r, c), key, cols, sel, pos, n_sel, overflow, slots)
     return overflow
 
 
@@ -486,6 +518,29 @@ def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed,
     plgpu.store(idx_ref.at[r, pl.ds(0, k_block)], cols, mask=live)
 
 
+def _stage2_filter_kernel(x_ref, key_ref, *refs, k, candidates, block, groups, keep, packed, slots, chunk):
+    """One row: the stage-1 selection over its candidates, down to `keep` (key, column) pairs in
+    column order (a superset of the row's top-k; XLA's lax.top_k orders them). Packed keys are
+    re-packed with 0xFFFF - position, as in `_stage2_kernel`."""
+    out_key_ref, out_col_ref = refs[-2:]
+    r = pl.program_id(0)
+    pos = jnp.arange(block, dtype=jnp.int32)
+    keys = plgpu.load(key_ref.at[r, pl.ds(0, block)], mask=pos < candidates, other=SENTINEL)
+    if packed:
+        cols = (pos // slots) * chunk + (_i32(0xFFFF) - (keys & _i32(0xFFFF)))
+        keys = jnp.where(keys >= _i32(KEY_FLOOR), (keys & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - pos), _i32(SENTINEL))
+    else:
+        cols = plgpu.load(refs[0].at[r, pl.ds(0, block)], mask=pos < candidates, other=0)
+    if keep >= block:
+        plgpu.store(out_key_ref.at[r, pl.ds(0, block)], keys)
+        plgpu.store(out_col_ref.at[r, pl.ds(0, block)], cols)
+        return
+    real = keys >= _i32(KEY_FLOOR)
+    sel, spos, n_sel, overflow = _select(keys, real, k=k, groups=groups, slots=keep, bisect=True, distinct=packed,
+                                         strided=True)
+    _store_candidates(out_key_ref, out_col_ref, (r,), keys, cols, sel, spos, n_sel, overflow, keep)
+
+
 def _poisoned(shape, dtype):
     """A buffer of NaN (floats) or INT_MIN (ints): an element a kernel fails to write stays so."""
     fill = jnp.nan if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
@@ -553,6 +608,23 @@ def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=Fa
     k_block = max(16, next_pow2(k))
     packed = cand_col is None
     cand = (cand_key.reshape(rows, n),) + (() if packed else (cand_col.reshape(rows, n),))
+    if plan["stage2"] == "filter":
+        block = plan["stage2_block"]
+        keep = min(max(16, next_pow2(2 * k)), block)
+        out_shape, extra, aliases = _outputs([((rows, keep), jnp.int32)] * 2, poison_outputs, 1 + len(cand))
+        keys, cols = pl.pallas_call(
+            functools.partial(_stage2_filter_kernel, k=k, candidates=n, block=block, groups=min(128, block),
+                              keep=keep, packed=packed, slots=plan["slots"], chunk=plan["chunk"]),
+            out_shape=out_shape,
+            grid=(rows,),
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=plan["stage2_warps"], num_stages=1),
+            interpret=interpret,
+            name="topk_stage2_filter",
+        )(x, *cand, *extra)
+        _, order = lax.top_k(keys, k)           # equal keys: the lower position, i.e. column, first
+        idx = jnp.take_along_axis(cols, order, axis=1)
+        return jnp.take_along_axis(x, idx, axis=1), idx
     out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs,
                                          1 + len(cand))
     return pl.pallas_call(
