@@ -228,6 +228,26 @@ def test_top_k_stage2_filter(kind, k, dtype):
     check_top_k(x, k, vals, idx)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_top_k_stage2_filter_bisects(dtype):
+    """Eleven of twelve chunks high: the strided group-maximum threshold over a row's candidates
+    leaves more than 2k above it, so the filter bisects (checked for the float32 keys by numpy)."""
+    k, vocab, cfg = 64, 3000, tk.TopKConfig(chunk=256, stage2="filter")
+    plan = cfg.resolve(4, vocab, k)
+    x = np.random.default_rng(3).standard_normal((4, vocab)).astype(np.float32)
+    x[:, :2816] += 8.0
+    x = jnp.asarray(x, dtype)
+    vals, idx, ck, _ = run_top_k(x, k, cfg, candidates=True)
+    check_top_k(x, k, vals, idx)
+    if dtype == jnp.float32:
+        block, groups = plan["stage2_block"], 128
+        keys = np.full((4, block), tk.SENTINEL, np.int64)
+        keys[:, :plan["candidates"]] = np.asarray(ck).reshape(4, -1)
+        gmax = keys.reshape(4, block // groups, groups).max(1)
+        t0 = -np.sort(-gmax, axis=1)[:, k - 1]
+        assert np.any((keys > t0[:, None]).sum(1) > 2 * k), "the case must need the filter's bisection"
+
+
 @pytest.mark.parametrize("vocab,k,rows", [(40, 8, 3), (3000, 5, 2), (5000, 64, 3)])
 def test_top_k_stage2_filter_shapes(vocab, k, rows):
     """Fewer candidates than kept pairs (every candidate passes), default chunks, the unpacked path."""
