@@ -121,7 +121,8 @@ from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # tests/test_pallas_topk.py -m gpu passed on the H200 (2026-11-30, jax 0.11.2: all 23 top-k cases
-# and the dispatch test), so impl="auto" takes the top-k kernel on the GPU (ops/sampling.py).
+# and the dispatch test; 2026-12-01: 54 cases with the packed bf16 keys), so impl="auto" takes the
+# top-k kernel on the GPU (ops/sampling.py). stage2="filter" has not run on the GPU yet.
 GPU_VALIDATED = True
 MAX_K = 64                  # largest k the top-k kernel takes (registers of the stage-2 rounds)
 MAX_CHUNK = 16384           # counts are packed as gt + eq << 16 (eq <= chunk must stay < 2**15);
