@@ -487,6 +487,17 @@ def _fixup_kernel(x_ref, flag_ref, *refs, packed, num_chunks, flags_pad, **geome
     lax.fori_loop(0, num_chunks, chunk, 0)
 
 
+def _repack(keys, pos, fill):
+    """Packed stage-1 keys -> keys ordered across chunks: the high half over 0xFFFF - position
+    (positions follow the columns); reserved values (< KEY_FLOOR) become `fill`."""
+    return jnp.where(keys >= _i32(KEY_FLOOR), (keys & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - pos), _i32(fill))
+
+
+def _packed_column(pos, keys, slots, chunk):
+    """The logit column of the packed stage-1 key `keys` at candidate position `pos`."""
+    return (pos // slots) * chunk + (_i32(0xFFFF) - (keys & _i32(0xFFFF)))
+
+
 def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed, slots, chunk):
     """One row: the k largest candidates in lax.top_k order, then their logits. Packed keys carry
     the column: chunk = position // slots, offset = 0xFFFF - low half; their low half orders ties
@@ -498,7 +509,7 @@ def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed,
     pos = jnp.arange(block, dtype=jnp.int32)
     keys = plgpu.load(key_ref.at[r, pl.ds(0, block)], mask=pos < candidates, other=REMOVED)
     if packed:
-        keys = jnp.where(keys >= _i32(KEY_FLOOR), (keys & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - pos), _i32(REMOVED))
+        keys = _repack(keys, pos, REMOVED)
     j = jnp.arange(k_block, dtype=jnp.int32)
 
     def round_(i, carry):
@@ -509,8 +520,7 @@ def _stage2_kernel(x_ref, key_ref, *refs, k, candidates, block, k_block, packed,
     _, picked = lax.fori_loop(0, k, round_, (keys, jnp.zeros((k_block,), jnp.int32)))
     live = j < k
     if packed:
-        pk = plgpu.load(key_ref.at[r, picked], mask=live, other=0)
-        cols = (picked // slots) * chunk + (_i32(0xFFFF) - (pk & _i32(0xFFFF)))
+        cols = _packed_column(picked, plgpu.load(key_ref.at[r, picked], mask=live, other=0), slots, chunk)
     else:
         cols = plgpu.load(refs[0].at[r, picked], mask=live, other=0)
     cols = jnp.where(live, cols, 0)
@@ -528,8 +538,8 @@ def _stage2_filter_kernel(x_ref, key_ref, *refs, k, candidates, block, groups, k
     pos = jnp.arange(block, dtype=jnp.int32)
     keys = plgpu.load(key_ref.at[r, pl.ds(0, block)], mask=pos < candidates, other=SENTINEL)
     if packed:
-        cols = (pos // slots) * chunk + (_i32(0xFFFF) - (keys & _i32(0xFFFF)))
-        keys = jnp.where(keys >= _i32(KEY_FLOOR), (keys & _i32(_HIGH_HALF)) | (_i32(0xFFFF) - pos), _i32(SENTINEL))
+        cols = _packed_column(pos, keys, slots, chunk)
+        keys = _repack(keys, pos, SENTINEL)
     else:
         cols = plgpu.load(refs[0].at[r, pl.ds(0, block)], mask=pos < candidates, other=0)
     if keep >= block:
@@ -606,38 +616,28 @@ def top_k_select(x, cand_key, cand_col, k, plan, *, interpret, poison_outputs=Fa
     cand_col None: packed keys (`top_k_candidates`)."""
     rows = x.shape[0]
     n = plan["candidates"]
-    k_block = max(16, next_pow2(k))
     packed = cand_col is None
     cand = (cand_key.reshape(rows, n),) + (() if packed else (cand_col.reshape(rows, n),))
-    if plan["stage2"] == "filter":
-        block = plan["stage2_block"]
-        keep = min(max(16, next_pow2(2 * k)), block)
-        out_shape, extra, aliases = _outputs([((rows, keep), jnp.int32)] * 2, poison_outputs, 1 + len(cand))
-        keys, cols = pl.pallas_call(
-            functools.partial(_stage2_filter_kernel, k=k, candidates=n, block=block, groups=min(128, block),
-                              keep=keep, packed=packed, slots=plan["slots"], chunk=plan["chunk"]),
-            out_shape=out_shape,
-            grid=(rows,),
-            input_output_aliases=aliases,
+    block = plan["stage2_block"]
+    geometry = dict(k=k, candidates=n, block=block, packed=packed, slots=plan["slots"], chunk=plan["chunk"])
+
+    def per_row(kernel, shapes, name):                  # one program a row, outputs `shapes`
+        out_shape, extra, aliases = _outputs(shapes, poison_outputs, 1 + len(cand))
+        return pl.pallas_call(
+            kernel, out_shape=out_shape, grid=(rows,), input_output_aliases=aliases,
             compiler_params=plgpu.CompilerParams(num_warps=plan["stage2_warps"], num_stages=1),
-            interpret=interpret,
-            name="topk_stage2_filter",
+            interpret=interpret, name=name,
         )(x, *cand, *extra)
+
+    if plan["stage2"] == "filter":
+        keep = min(max(16, next_pow2(2 * k)), block)
+        keys, cols = per_row(functools.partial(_stage2_filter_kernel, groups=min(128, block), keep=keep, **geometry),
+                             [((rows, keep), jnp.int32)] * 2, "topk_stage2_filter")
         _, order = lax.top_k(keys, k)           # equal keys: the lower position, i.e. column, first
         idx = jnp.take_along_axis(cols, order, axis=1)
         return jnp.take_along_axis(x, idx, axis=1), idx
-    out_shape, extra, aliases = _outputs([((rows, k), x.dtype), ((rows, k), jnp.int32)], poison_outputs,
-                                         1 + len(cand))
-    return pl.pallas_call(
-        functools.partial(_stage2_kernel, k=k, candidates=n, block=plan["stage2_block"], k_block=k_block,
-                          packed=packed, slots=plan["slots"], chunk=plan["chunk"]),
-        out_shape=out_shape,
-        grid=(rows,),
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=plan["stage2_warps"], num_stages=1),
-        interpret=interpret,
-        name="topk_stage2",
-    )(x, *cand, *extra)
+    return per_row(functools.partial(_stage2_kernel, k_block=max(16, next_pow2(k)), **geometry),
+                   [((rows, k), x.dtype), ((rows, k), jnp.int32)], "topk_stage2")
 
 
 def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None = None,
