@@ -457,6 +457,8 @@ def test_config_validation_and_plans():
         tk.TopKConfig(stage2="sort")
     with pytest.raises(ValueError, match="pack_bf16"):                   # 3880 chunks x 32 slots
         tk.top_k(jnp.zeros((1, 248320), jnp.bfloat16), 16, config=tk.TopKConfig(chunk=64))
+    with pytest.raises(ValueError, match="stage2"):
+        tk.top_k(jnp.zeros((1, 248320), jnp.float32), 16, config=tk.TopKConfig(chunk=64, stage2="filter"))
     p = tk.TopKConfig().resolve(1024, 248320, 64)
     assert (p["chunk"], p["groups"], p["slots"], p["num_chunks"], p["candidates"], p["stage2_block"]) == \
         (4096, 128, 128, 61, 7808, 8192)

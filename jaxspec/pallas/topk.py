@@ -659,10 +659,10 @@ def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None
     rows, vocab = _rows_vocab(logits)
     x = logits.reshape(rows, vocab)
     plan = (config or TopKConfig()).resolve(rows, vocab, k)
-    if packs_keys(x, plan) and plan["stage2_block"] > 2**15:
+    if (packs_keys(x, plan) or plan["stage2"] == "filter") and plan["stage2_block"] > 2**15:
         raise ValueError(f"top_k kernel: config {config} gives {plan['candidates']} candidates a row "
-                         f"(cdiv(vocab, chunk) * slots); packed bf16 keys (pack_bf16) number them in 15 bits: "
-                         f"use a larger chunk")
+                         f"(cdiv(vocab, chunk) * slots); packed bf16 keys (pack_bf16) and the filter's "
+                         f"packed counts (stage2='filter') take at most 2**15: use a larger chunk")
     cand_key, cand_col = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     vals, idx = top_k_select(x, cand_key, cand_col, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     out = vals.reshape(*lead, k), idx.reshape(*lead, k)
