@@ -141,13 +141,16 @@ def features(draft_logits: jax.Array, temperature, *, impl: str = "auto") -> jax
     return jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP)
 
 
-def _feature_logits(draft_logits, temperature):
-    """The jnp form of `features` before the clamp (two passes over the logits)."""
-    z = jnp.asarray(draft_logits).astype(jnp.float32)
+def _scaled_logits(draft_logits, temperature):
+    """z = logits / T in float32 [..., P, V]; rows with T <= 0 (greedy) use T = 1."""
     t = jnp.asarray(temperature, jnp.float32)
     t = jnp.where(t > 0, t, 1.0)
-    t = t.reshape(t.shape + (1, 1))
-    z = z / t
+    return jnp.asarray(draft_logits).astype(jnp.float32) / t.reshape(t.shape + (1, 1))
+
+
+def _feature_logits(draft_logits, temperature):
+    """The jnp form of `features` before the clamp (two passes over the logits)."""
+    z = _scaled_logits(draft_logits, temperature)
     zmax = jnp.max(z, axis=-1, keepdims=True)
     is_max = z == zmax
     ties = jnp.sum(is_max, axis=-1).astype(jnp.float32)
@@ -166,10 +169,7 @@ def features_one_pass(draft_logits: jax.Array, temperature) -> jax.Array:
     in one kernel, at two exponentials an entry (the two-pass form: one exponential, two reads, two
     kernels): a candidate for small batches, where the second launch is most of the time.
     """
-    z = jnp.asarray(draft_logits).astype(jnp.float32)
-    t = jnp.asarray(temperature, jnp.float32)
-    t = jnp.where(t > 0, t, 1.0)
-    z = z / t.reshape(t.shape + (1, 1))
+    z = _scaled_logits(draft_logits, temperature)
 
     def combine(a, b):
         m = jnp.maximum(a[0], b[0])
