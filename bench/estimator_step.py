@@ -23,8 +23,7 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
   counted; or a torch copy from `--torch-copy` in an earlier process, as in topk_kernel.py).
 - `features+predict+observe V=...`: the whole per-step estimator work, full vocabulary.
 - each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass),
-  "pallas" (jaxspec/pallas/features.py: one pass with an online maximum) and "onepass"
-  (estimator.features_one_pass: one XLA variadic reduction).
+  and "pallas" (jaxspec/pallas/features.py: one pass with an online maximum).
 - the same with a small vocabulary (--small-vocab, 260: the tiny byte-level models) to isolate the
   estimator math from the logits read.
 
@@ -65,7 +64,7 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--features-impls", default="ref,pallas",
-                    help="features implementations to time: ref, pallas, onepass (estimator.features_one_pass)")
+                    help="features implementations to time: ref, pallas")
     ap.add_argument("--observe-impls", default="ref,pallas",
                     help="observe implementations: ref (jnp, eight kernels), pallas (one launch)")
     ap.add_argument("--features-configs", default="",
@@ -207,8 +206,6 @@ def main(args):
 
                 for impl in args.features_impls.split(","):
                     def feature_fn(lg, impl=impl):
-                        if impl == "onepass":
-                            return est.features_one_pass(lg, temperature)
                         return est.features(lg, temperature, impl=impl)
 
                     def feat(acc, xs):

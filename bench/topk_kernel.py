@@ -20,6 +20,9 @@ logits), a high block at the start of every chunk (stage 1 bisects in every chun
 x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024
 rows.
 
+bfloat16 rows also time the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each
+`--lanes-configs` entry, on the Gaussian and the adversarial inputs.
+
 Every kernel result is checked against `lax.top_k` / `jnp.argmax` (indices equal, values equal)
 in the same run; the `ok` column says so.
 
@@ -60,6 +63,8 @@ def parse(argv=None):
     ap.add_argument("--sweep-stage2-warps", default="4,8")
     ap.add_argument("--sweep-pack", default="1", help="TopKConfig.pack_bf16 values of the sweep (1 / 0)")
     ap.add_argument("--sweep-stage2", default="rounds", help="TopKConfig.stage2 values of the sweep")
+    ap.add_argument("--lanes-configs", default="1024:6:0:4",
+                    help="bfloat16 rows: LanesConfig lanes:keep:segment:num_warps (segment 0: default) to time; '' none")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -74,6 +79,7 @@ def main(args):
     import jax
     import jax.numpy as jnp
     from jaxspec.pallas import topk as tk
+    from jaxspec.pallas import topk_lanes as tl
 
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -100,7 +106,9 @@ def main(args):
     print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
           + f"; read-only jnp.max {read_bw / 1e12:.3f} TB/s; floors use {bw_src}", flush=True)
 
-    results, adversarial, sweep = [], [], []
+    results, adversarial, sweep, lanes = [], [], [], []
+    lanes_configs = [tl.LanesConfig(lanes=int(a), keep=int(b), segment=int(c) or None, num_warps=int(d))
+                     for a, b, c, d in (spec.split(":") for spec in args.lanes_configs.split(",") if spec)]
 
     def lax_top_k(k):
         return jax.jit(lambda x: jax.lax.top_k(x, k))
@@ -127,7 +135,8 @@ def main(args):
         summary = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
                        copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()},
                        floor_bandwidth=bw_src, read_only_TB_per_s=round(read_bw / 1e12, 3),
-                       vocab=args.vocab, smoke=args.smoke, results=results, adversarial=adversarial, sweep=sweep)
+                       vocab=args.vocab, smoke=args.smoke, results=results, adversarial=adversarial, sweep=sweep,
+                       lanes=[{**r, "config": str(r["config"])} for r in lanes])
         with open(os.path.join(args.out, "topk_bench.json"), "w") as f:
             json.dump(summary, f, indent=1)
         fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
@@ -163,6 +172,16 @@ def main(args):
                              f"| {r['stage2_warps']} | {r['bisection']} | {r['pack_bf16']} | {r['stage2']} "
                              f"| {fmt(r['kernel_us'])} "
                              f"| {fmt(r['stage1_us'])} | {r['ok']} |")
+        if lanes:
+            lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py, bfloat16): stage 1 alone includes the fixup "
+                      "when a segment is flagged; flags = segments flagged (fixup ran).", "",
+                      "| rows | k | input | config (lanes/keep/segment/warps) | kernel µs | stage 1 µs | floor µs "
+                      "| × floor | flags | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in lanes:
+                c = r["config"]
+                lines.append(f"| {r['rows']} | {r['k']} | {r['input']} | {c.lanes}/{c.keep}/{c.segment or 'auto'}"
+                             f"/{c.num_warps} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {fmt(r['floor_us'])} "
+                             f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['flags']} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return lines
@@ -172,6 +191,17 @@ def main(args):
         kus, out = timed(jax.jit(lambda x: tk.top_k(x, k, config=config)), x)
         s1us, _ = timed(jax.jit(lambda x: tk.top_k_candidates(x, k, plan, interpret=not on_gpu)), x)
         return kus, s1us, out
+
+    def lanes_times(x, k, input_name, floor_us, ref):
+        for cfg in lanes_configs:
+            if over_budget():
+                return
+            plan = cfg.resolve(x.shape[0], x.shape[1], k)
+            kus, out = timed(jax.jit(lambda x: tl.top_k(x, k, config=cfg)), x)
+            s1us, (_, flags) = timed(jax.jit(lambda x: tl.top_k_candidates(x, k, plan, interpret=not on_gpu)), x)
+            lanes.append(dict(rows=x.shape[0], k=k, input=input_name, config=cfg, kernel_us=kus, stage1_us=s1us,
+                              floor_us=floor_us, flags=int(flags.sum()), ok=same(out, ref)))
+            print(dump()[-1], flush=True)
 
     def over_budget():
         return time.time() - t_start > args.budget_s
@@ -191,8 +221,10 @@ def main(args):
             for k in ks:
                 if over_budget():
                     break
-                kus, s1us, out = kernel_times(x, k)
                 ref = lax_top_k(k)(x)
+                if dname == "bfloat16":
+                    lanes_times(x, k, "gaussian", floor_us, ref)
+                kus, s1us, out = kernel_times(x, k)
                 ok = same(out, ref)
                 lax_us = ts_us = None
                 ts_chunk = None
@@ -231,8 +263,11 @@ def main(args):
                 if over_budget():
                     break
                 x = xin.astype(dt)
+                ref = lax_top_k(k)(x)
+                if dname == "bfloat16":
+                    lanes_times(x, k, name, x.nbytes / bw * 1e6, ref)
                 kus, s1us, out = kernel_times(x, k)
-                ok = same(out, lax_top_k(k)(x))
+                ok = same(out, ref)
                 adversarial.append(dict(rows=rows, dtype=dname, input=name, kernel_us=kus, stage1_us=s1us,
                                         x_gauss=kus / base if base else None, ok=ok))
                 print(dump()[-1], flush=True)
@@ -274,7 +309,7 @@ def main(args):
 
     lines = dump()
     print("\n".join(lines), flush=True)
-    bad = [r for r in results + adversarial + sweep if not r["ok"]] + [r for r in results if not r["argmax_ok"]]
+    bad = [r for r in results + adversarial + sweep + lanes if not r["ok"]] + [r for r in results if not r["argmax_ok"]]
     return 1 if bad else 0
 
 

@@ -220,11 +220,11 @@ def test_packed_keys_order_and_unpack():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("k", [1, 20, 64])
 @pytest.mark.parametrize("kind", ["gauss", "ties", "masked", "clustered"])
-def test_top_k_stage2_filter(kind, k, dtype):
-    """stage2="filter": the selection over the row's candidates, then lax.top_k over next_pow2(2k)."""
+def test_top_k_stage2_rounds(kind, k, dtype):
+    """stage2="rounds": k rounds of argmax over the row's candidates (the default is the filter)."""
     cfg, vocab = (CLUSTER, 2000) if kind == "clustered" else (SMALL, 1000)
     x = jnp.asarray(gen_rows(np.random.default_rng(k + 7), kind, 4, vocab, k, dtype), dtype)
-    vals, idx = run_top_k(x, k, dataclasses.replace(cfg, stage2="filter"))
+    vals, idx = run_top_k(x, k, dataclasses.replace(cfg, stage2="rounds"))
     check_top_k(x, k, vals, idx)
 
 
@@ -459,6 +459,8 @@ def test_config_validation_and_plans():
         tk.top_k(jnp.zeros((1, 248320), jnp.bfloat16), 16, config=tk.TopKConfig(chunk=64))
     with pytest.raises(ValueError, match="stage2"):
         tk.top_k(jnp.zeros((1, 248320), jnp.float32), 16, config=tk.TopKConfig(chunk=64, stage2="filter"))
+    assert tk.TopKConfig().resolve(1024, 248320, 64)["stage2"] == "filter"
+    assert tk.TopKConfig(chunk=64).resolve(1, 248320, 16)["stage2"] == "rounds"      # 2**16 candidates a row
     p = tk.TopKConfig().resolve(1024, 248320, 64)
     assert (p["chunk"], p["groups"], p["slots"], p["num_chunks"], p["candidates"], p["stage2_block"]) == \
         (4096, 128, 128, 61, 7808, 8192)
@@ -503,7 +505,7 @@ def test_argmax_lowers_for_h200(rows, vocab, dtype):
 def test_poisoned_and_config_variants_lower_for_h200():
     S = jax.ShapeDtypeStruct((1024, 248320), jnp.bfloat16)
     for cfg in [tk.TopKConfig(chunk=16384, num_warps=16), tk.TopKConfig(chunk=4096, num_warps=4, stage2_warps=4),
-                tk.TopKConfig(pack_bf16=False), tk.TopKConfig(stage2="filter"),
+                tk.TopKConfig(pack_bf16=False), tk.TopKConfig(stage2="rounds"),
                 tk.TopKConfig(stage2="filter", pack_bf16=False)]:
         lower_for_h200(lambda x: tk.top_k(x, 64, config=cfg, interpret=False, poison_outputs=True), S)
     lower_for_h200(lambda x: tk.argmax(x, config=tk.ArgmaxConfig(splits=4), interpret=False, poison_outputs=True), S)
@@ -551,7 +553,7 @@ def test_top_k_gpu_adversarial(kind, dtype, bisection, stage2):
 @pytest.mark.parametrize("cfg", [dict(chunk=2048, stage2_warps=4), dict(chunk=16384, num_warps=16),
                                  dict(chunk=8192, groups=32, slots=256), dict(chunk=1024, num_warps=2, stage2_warps=16),
                                  dict(bisection="fixup"), dict(pack_bf16=False),
-                                 dict(pack_bf16=False, bisection="fixup"), dict(stage2="filter"),
+                                 dict(pack_bf16=False, bisection="fixup"), dict(stage2="rounds"),
                                  dict(stage2="filter", pack_bf16=False), dict(stage2="filter", chunk=1024)])
 def test_top_k_gpu_configs(cfg):
     rng = np.random.default_rng(12)

@@ -23,6 +23,7 @@ from flax import struct
 
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import topk as pallas_topk
+from jaxspec.pallas import topk_lanes as pallas_topk_lanes
 
 
 @struct.dataclass
@@ -85,9 +86,12 @@ def top_k(logits, k, *, impl="auto"):
     -> (values [..., k] logits.dtype, ids [..., k] int32), sorted descending in the IEEE total order
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
-    The Pallas kernel covers float32 / bfloat16 with k <= 64.
+    The Pallas kernels cover float32 / bfloat16 with k <= 64: bfloat16 the one-read lane-buffer
+    kernel (pallas/topk_lanes.py) once its GPU tests passed, float32 the chunked one (pallas/topk.py).
     """
     if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
+        if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):
+            return pallas_topk_lanes.top_k(logits, k)
         return pallas_topk.top_k(logits, k)
     return jax.lax.top_k(logits, k)
 

@@ -159,33 +159,6 @@ def _feature_logits(draft_logits, temperature):
     return -jnp.log(rest)
 
 
-def features_one_pass(draft_logits: jax.Array, temperature) -> jax.Array:
-    """`features` by one XLA reduction over the logits instead of two (same contract and clamp).
-
-    A variadic `lax.reduce` carries (m, rest, ties) per row: the running maximum, the sum of
-    exp(z - m) over the entries below it and the count of entries equal to it; two states combine
-    as m = max(m1, m2), each side adding (rest_i, ties_i) if m_i == m else ((rest_i + ties_i)
-    exp(m_i - m), 0). Then x = -log(rest + ties - 1), the two-pass formula. Reads the logits once
-    in one kernel, at two exponentials an entry (the two-pass form: one exponential, two reads, two
-    kernels): a candidate for small batches, where the second launch is most of the time.
-    """
-    z = _scaled_logits(draft_logits, temperature)
-
-    def combine(a, b):
-        m = jnp.maximum(a[0], b[0])
-
-        def side(mi, ri, ti):
-            same = mi == m           # exp(mi - m) is nan for mi = m = +-inf: selected away here
-            return jnp.where(same, ri, (ri + ti) * jnp.exp(mi - m)), jnp.where(same, ti, 0.0)
-
-        (ra, ta), (rb, tb) = side(*a), side(*b)
-        return m, ra + rb, ta + tb
-
-    zeros = jnp.zeros_like(z)
-    _, rest, ties = jax.lax.reduce((z, zeros, zeros + 1.0), (-jnp.inf, 0.0, 0.0), combine, (z.ndim - 1,))
-    return jnp.clip(-jnp.log(rest + (ties - 1.0)), -FEATURE_CLAMP, FEATURE_CLAMP)      # no 1 + tiny - 1
-
-
 # -------------------------------------------------------------------------- predict/observe
 
 

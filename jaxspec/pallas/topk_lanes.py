@@ -1,0 +1,279 @@
+"""Top-k of bfloat16 logits in one read: per-lane top-`keep` buffers (Pallas, Triton lowering).
+
+Contract: `jaxspec.ops.sampling.top_k` (jax.lax.top_k's order: key descending in the IEEE total
+order, ties by the lower column). bfloat16 only: the column rides in the low half of the key.
+
+Why: the chunked top-k (topk.py) selects candidates per 4096-column chunk with a threshold, a
+count, a scan and a scatter store for every element: ~40 instructions an element, 5-7x the read
+floor on the H200. Here a program owns a segment of one row (<= 32768 columns) and its `lanes`
+lanes stream it with coalesced loads (lane j sees offsets j, j + lanes, ...). Each lane keeps its
+`keep` largest packed keys in registers, sorted, updated by an insertion of max / min pairs:
+
+    key = sort_key(x)'s high half | (0xFFFF - offset)      (distinct inside a segment)
+    t = key;  for i in 1..keep:  a_i, t = max(a_i, t), min(a_i, t)
+
+about 2 * keep + 8 instructions an element and no reduction, store or branch in the loop. After it,
+the segment's top-k is the top-k of the lanes' buffers U unless a lane had more than `keep` keys in
+it. Stage 1 then selects, from U, the keys >= t (the stage-1 selection of topk.py: the k-th largest
+of the groups' maxima, and bisection while more than `slots` remain: k <= #{U >= t} <= slots),
+and writes them, SENTINEL after them. If some lane's smallest kept key a_keep is >= t, a key it
+dropped could belong to the top-k: the segment is flagged, and a fixup kernel (launched only if
+any segment is flagged) redoes flagged segments exactly: a bisection over the segment's keys
+(about 33 passes over its columns, from L2) to the k-th largest key, then one compacting pass.
+For i.i.d. logits a lane of a 1024-lane, 32768-column segment (32 keys a lane) holds `keep` = 6 of
+its top 128 with probability about C(128, 6) / 1024^5 = 5e-6 a segment: the fixup is for
+adversarial rows (e.g. logits periodic in the column with the lane count's period), where it is
+slow but exact.
+
+The candidates, [rows, num_segments, slots] packed keys (segment and offset give the column), are
+few (8 x 64 a row at 248,320 x k = 64): XLA sorts them by (logit key descending, column ascending),
+the exact lax.top_k order, and gathers the k values from the logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas import topk as tk
+from jaxspec.pallas.tiles import is_pow2, next_pow2
+
+# impl="auto" takes this kernel for bfloat16 logits on the GPU only after its GPU tests passed.
+GPU_VALIDATED = False
+MAX_SEGMENT = 32768         # 0xFFFF - offset stays >= 0x8000: no packed key reaches SENTINEL / INT_MIN
+_TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM
+_I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class LanesConfig:
+    """Tile sizes of the lane-buffer top-k.
+
+    lanes: lanes of a program (power of two, 32..8192), each streaming segment / lanes columns.
+    keep: keys each lane keeps (1..8): more costs 2 instructions an element, fewer flags more
+      segments for the fixup.
+    segment: columns per program (power of two, >= lanes, <= 32768); None: 32768, halved (down to
+      2 * lanes) while rows * cdiv(vocab, segment) < 528 (four programs per H200 SM); clipped to
+      next_pow2(vocab).
+    num_warps: warps of a stage-1 / fixup program (1..16, power of two).
+    """
+    lanes: int = 1024
+    keep: int = 6
+    segment: int | None = None
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if not (is_pow2(self.lanes) and 32 <= self.lanes <= 8192):
+            raise ValueError(f"LanesConfig.lanes={self.lanes!r}: must be a power of two in [32, 8192]")
+        if not (isinstance(self.keep, int) and 1 <= self.keep <= 8):
+            raise ValueError(f"LanesConfig.keep={self.keep!r}: must be an int in [1, 8]")
+        if self.segment is not None and not (is_pow2(self.segment) and self.lanes <= self.segment <= MAX_SEGMENT):
+            raise ValueError(f"LanesConfig.segment={self.segment!r}: must be a power of two in "
+                             f"[lanes={self.lanes}, {MAX_SEGMENT}]")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LanesConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
+
+    def resolve(self, rows: int, vocab: int, k: int) -> dict:
+        """The launch plan: segment, lanes, num_segments, slots, groups."""
+        segment = self.segment
+        if segment is None:
+            segment = MAX_SEGMENT
+            while segment > 2 * self.lanes and rows * pl.cdiv(vocab, segment) < _TARGET_PROGRAMS:
+                segment //= 2
+        segment = min(segment, max(32, next_pow2(vocab)))
+        lanes = min(self.lanes, segment)
+        slots = max(16, next_pow2(k))
+        return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
+                    slots=slots, groups=min(128, lanes), num_warps=self.num_warps)
+
+
+def supports(logits, k) -> bool:
+    """[..., vocab] bfloat16, 1 <= k <= min(64, vocab)."""
+    try:
+        if logits.ndim < 1 or jnp.dtype(logits.dtype) != jnp.dtype(jnp.bfloat16):
+            return False
+        if not isinstance(k, int) or isinstance(k, bool):
+            return False
+        rows, vocab = tk._rows_vocab(logits)
+        return rows >= 1 and 1 <= k <= min(tk.MAX_K, vocab) and vocab < 2**31 - 2 * MAX_SEGMENT
+    except (AttributeError, TypeError):
+        return False
+
+
+def _packed_keys(x, offset):
+    """bfloat16 logits -> int32 keys: the sort key's high half over 0xFFFF - offset (distinct within a
+    segment, ordered by logit descending then offset ascending)."""
+    key = jnp.maximum(tk.sort_key(x), _I32(tk.KEY_FLOOR))
+    return (key & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
+
+
+def _segment_span(s, vocab, segment):
+    return jnp.minimum(_I32(vocab) - s * segment, _I32(segment))
+
+
+def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked):
+    """The packed keys of step i of segment s (SENTINEL past the segment's span when masked)."""
+    offset = i * lanes + lane
+    start = s * segment + i * lanes
+    if masked:
+        inb = offset < span
+        x = plgpu.load(x_ref.at[r, pl.ds(start, lanes)], mask=inb, other=0)
+        return jnp.where(inb, _packed_keys(x, offset), _I32(tk.SENTINEL))
+    return _packed_keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
+
+
+def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes):
+    """fori over segment s's steps: full steps unmasked, then the partial tail step masked."""
+    span = _segment_span(s, vocab, segment)
+    lane = jnp.arange(lanes, dtype=jnp.int32)
+    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span)
+    n_full = span // lanes
+    carry = lax.fori_loop(0, n_full, lambda i, c: body(load(i, masked=False), c), init)
+    return lax.fori_loop(n_full, pl.cdiv(span, lanes), lambda i, c: body(load(i, masked=True), c), carry)
+
+
+def _insert(key, bufs):
+    """Insert key [lanes] into each lane's sorted buffers (largest first)."""
+    out = []
+    for a in bufs:
+        out.append(jnp.maximum(a, key))
+        key = jnp.minimum(a, key)
+    return tuple(out)
+
+
+def _write(key_ref, r, s, keys, sel, *, slots):
+    """Scatter the selected keys of each vector of `keys` to slots in vector order, SENTINEL after."""
+    base = _I32(0)
+    for kv, sv in zip(keys, sel):
+        pos = jnp.where(sv, base + jnp.cumsum(sv.astype(jnp.int32)) - 1, _I32(slots))
+        plgpu.store(key_ref.at[r, s, pos], kv, mask=sv)
+        base = base + jnp.sum(sv.astype(jnp.int32))
+    empty = jnp.arange(slots, dtype=jnp.int32) >= base
+    plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
+
+
+def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, keep, slots, groups):
+    """One (row, segment): candidates (the top-k of the lanes' buffers) and the overflow flag."""
+    key_ref, flag_ref = refs[-2:]
+    r, s = pl.program_id(0), pl.program_id(1)
+    empty = jnp.full((lanes,), tk.SENTINEL, jnp.int32)
+    bufs = _scan_segment(x_ref, r, s, _insert, (empty,) * keep, vocab=vocab, segment=segment, lanes=lanes)
+    # bufs[0] holds each lane's maximum: the k-th largest of the groups' maxima starts the threshold.
+    gmax = jnp.max(bufs[0].reshape(groups, lanes // groups), axis=1)                 # [G]
+    cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
+    t0 = jnp.max(jnp.where(cnt >= k, gmax, _I32(tk.SENTINEL)))
+    t, _ = tk._distinct_threshold(bufs, t0, jnp.max(gmax), k=k, slots=slots, bisect=True)
+    _write(key_ref, r, s, bufs, [kv >= t for kv in bufs], slots=slots)
+    overflow = jnp.max(bufs[-1]) >= t                 # a lane's dropped key may be in the top-k
+    flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
+
+
+def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, slots):
+    """One flagged (row, segment), exactly: the k-th largest key by bisection over the segment's
+    keys (one pass a step), then one compacting pass. Unflagged programs return at once."""
+    key_ref = refs[-1]
+    r, s = pl.program_id(0), pl.program_id(1)
+    flagged = flag_ref[0, 0] != 0
+    scan = functools.partial(_scan_segment, x_ref, r, s, vocab=vocab, segment=segment, lanes=lanes)
+    want = jnp.minimum(_I32(k), _segment_span(s, vocab, segment))
+
+    @pl.when(flagged)
+    def _redo():
+        def count(t):
+            return scan(lambda key, n: n + jnp.sum((key >= t).astype(jnp.int32)), _I32(0))
+
+        def body(i, lohi):        # invariant: count(lo) >= want > count(hi + 1)
+            lo, hi = lohi
+            mid = tk._ceil_avg(lo, hi)
+            ok = count(mid) >= want
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+        t, _ = lax.fori_loop(0, 33, body, (_I32(tk.KEY_FLOOR), _I32(tk._I32_MAX)))
+
+        def write(key, base):
+            sel = key >= t
+            pos = jnp.where(sel, base + jnp.cumsum(sel.astype(jnp.int32)) - 1, _I32(slots))
+            plgpu.store(key_ref.at[r, s, pos], key, mask=sel)
+            return base + jnp.sum(sel.astype(jnp.int32))
+
+        n = scan(write, _I32(0))
+        empty = jnp.arange(slots, dtype=jnp.int32) >= n
+        plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
+
+
+def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
+    """x [rows, vocab] bf16 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
+    num_segments] int32): each segment's top-k keys in its first slots, SENTINEL after; flagged
+    segments already redone by the fixup."""
+    rows, vocab = x.shape
+    nseg, slots = plan["num_segments"], plan["slots"]
+    geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], slots=slots)
+    out_shape, extra, aliases = tk._outputs([((rows, nseg, slots), jnp.int32)], poison_outputs, 1)
+    params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
+    keys, flags = pl.pallas_call(
+        functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], **geometry),
+        out_shape=out_shape + (jax.ShapeDtypeStruct((rows, nseg), jnp.int32),),
+        out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
+        grid=(rows, nseg),
+        input_output_aliases=aliases,
+        compiler_params=params,
+        interpret=interpret,
+        name="topk_lanes_stage1",
+    )(x, *extra)
+
+    def fixup(keys):
+        return pl.pallas_call(
+            functools.partial(_fixup_kernel, **geometry),
+            out_shape=jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+            in_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s)), pl.no_block_spec),
+            out_specs=pl.no_block_spec,
+            grid=(rows, nseg),
+            input_output_aliases={2: 0},
+            compiler_params=params,
+            interpret=interpret,
+            name="topk_lanes_fixup",
+        )(x, flags, keys)
+
+    keys = lax.cond(jnp.any(flags != 0), fixup, lambda keys: keys, keys)
+    return keys, flags
+
+
+def order_candidates(x, keys, k, segment):
+    """Packed candidates [rows, nseg, slots] -> (values [rows, k], indices [rows, k]) in lax.top_k's
+    order: one XLA sort of the few candidates by (logit key descending, column ascending)."""
+    rows, nseg, _ = keys.shape
+    real = keys >= tk.KEY_FLOOR
+    seg = jnp.arange(nseg, dtype=jnp.int32)[None, :, None]
+    cols = jnp.where(real, seg * segment + (0xFFFF - (keys & 0xFFFF)), jnp.iinfo(jnp.int32).max)
+    logit_key = jnp.where(real, keys >> 16, -2**16)      # the bf16 logit's sort key; below every real one
+    _, cols = lax.sort((-logit_key.reshape(rows, -1), cols.reshape(rows, -1)), dimension=1, num_keys=2)
+    idx = cols[:, :k]
+    return jnp.take_along_axis(x, idx, axis=1), idx
+
+
+def top_k(logits, k, *, config: LanesConfig | None = None, interpret: bool | None = None,
+          poison_outputs: bool = False, candidates_out: bool = False):
+    """Values and indices of the k largest bfloat16 logits per row, in jax.lax.top_k's order.
+
+    logits [..., vocab] bfloat16; k static, 1 <= k <= min(64, vocab).
+    -> (values [..., k] bfloat16, indices [..., k] int32), descending, ties: lower index first.
+    candidates_out: also return (packed keys [rows, nseg, slots], overflow flags [rows, nseg]).
+    poison_outputs: stage 1 writes into an INT_MIN-filled buffer (tests: unwritten slots show).
+    """
+    if not supports(logits, k):
+        raise ValueError(f"top_k lanes kernel: unsupported logits {getattr(logits, 'shape', None)} "
+                         f"{getattr(logits, 'dtype', None)} with k={k!r} (bfloat16, 1 <= k <= min(64, vocab))")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    lead = logits.shape[:-1]
+    rows, vocab = tk._rows_vocab(logits)
+    x = logits.reshape(rows, vocab)
+    plan = (config or LanesConfig()).resolve(rows, vocab, k)
+    keys, flags = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
+    vals, idx = order_candidates(x, keys, k, plan["segment"])
+    out = vals.reshape(*lead, k), idx.reshape(*lead, k)
+    return out + (keys, flags) if candidates_out else out

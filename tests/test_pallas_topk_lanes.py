@@ -1,0 +1,175 @@
+"""The lane-buffer bfloat16 top-k (jaxspec/pallas/topk_lanes.py) against the numpy oracle and
+jax.lax.top_k: interpret mode on the CPU, the real kernels on the GPU (-m gpu), the H200 Triton
+lowering on the CPU.
+
+Stage 1 writes into an INT_MIN-filled buffer (poison_outputs), so a candidate slot it fails to
+write shows; values are compared bit for bit, indices exactly. Small `keep` / `lanes` configs
+force the overflow flag, so the exact fixup kernel runs too, and its result is checked."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpu_lowering import lower_for_h200
+from jaxspec.ops import sampling
+from jaxspec.pallas import topk as tk
+from jaxspec.pallas import topk_lanes as tl
+from test_pallas_topk import check_top_k, gen_rows, np_keys
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+INT_MIN = -2**31
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_top_k(k, config, interpret):
+    return jax.jit(lambda x: tl.top_k(x, k, config=config, interpret=interpret, poison_outputs=True,
+                                      candidates_out=True))
+
+
+def run_checked(x, k, config=None, interpret=True, against_lax=True):
+    """top_k, checked against the oracle, and the candidates' contract: every slot written, each
+    segment's real candidates first, all of them its keys, and its top min(k, span) keys among them.
+    -> the number of flagged segments."""
+    x = jnp.asarray(x, jnp.bfloat16)
+    vals, idx, keys, flags = _jit_top_k(k, config, interpret)(x)
+    check_top_k(x, k, vals, idx, against_lax=against_lax)
+    keys, flags = np.asarray(keys), np.asarray(flags)
+    assert not np.any(keys == INT_MIN), "a candidate slot was not written"
+    rows, vocab = x.shape
+    plan = (config or tl.LanesConfig()).resolve(rows, vocab, k)
+    seg = plan["segment"]
+    logit_keys = np.maximum(np_keys(np.asarray(x.astype(jnp.float32))), tk.KEY_FLOOR)
+    for r in range(rows):
+        for s in range(plan["num_segments"]):
+            span = min(vocab, (s + 1) * seg) - s * seg
+            want = min(k, span)
+            real = keys[r, s] != tk.SENTINEL
+            n = int(real.sum())
+            assert want <= n and real[:n].all(), (r, s, n, want)
+            offsets = np.arange(span)
+            packed = (logit_keys[r, s * seg:s * seg + span] >> 16) * 2**16 + (0xFFFF - offsets)   # int32 value
+            cands = keys[r, s, :n].astype(np.int64)
+            assert np.isin(cands, packed).all(), f"segment ({r}, {s}): a candidate is not one of its keys"
+            assert np.isin(np.sort(packed)[::-1][:want], cands).all(), f"segment ({r}, {s}): top keys missing"
+    return int(flags.sum())
+
+
+CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise the segment tails
+    (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256)),
+    (2, 3000, 64, tl.LanesConfig(lanes=128, segment=1024)),
+    (4, 777, 1, tl.LanesConfig(lanes=32, segment=128)),
+    (1, 70, 64, None),
+    (5, 5000, 33, None),
+]
+CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}" for r, v, k, c in CASES]
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
+@pytest.mark.parametrize("rows,vocab,k,config", CASES, ids=CASE_IDS)
+def test_top_k_lanes_interpret(rows, vocab, k, config, kind):
+    rng = np.random.default_rng(rows * vocab + k)
+    x = gen_rows(rng, kind, rows, vocab, k, jnp.bfloat16)
+    run_checked(x, k, config, against_lax=kind != "special")
+
+
+@pytest.mark.parametrize("keep,lanes", [(1, 32), (2, 64), (3, 32)])
+def test_top_k_lanes_fixup(keep, lanes):
+    """Few kept keys: lanes overflow, the fixup redoes their segments exactly."""
+    rng = np.random.default_rng(keep * lanes)
+    cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512)
+    x = gen_rows(rng, "gauss", 3, 2000, 64, jnp.bfloat16)
+    assert run_checked(x, 64, cfg) > 0, "no segment was flagged: the fixup did not run"
+    x = gen_rows(rng, "ties", 3, 2000, 20, jnp.bfloat16)
+    run_checked(x, 20, cfg)
+
+
+def test_top_k_lanes_periodic_rows_flag():
+    """The adversarial rows: the top keys all in one lane (period = lanes); the default keep too."""
+    lanes, vocab = 64, 4096
+    x = np.full((2, vocab), -5.0, np.float32)
+    x[0, 7::lanes] = np.arange(vocab // lanes)                 # lane 7 holds the row's top-64
+    x[1, ::lanes] = 3.0                                        # ... and ties there
+    assert run_checked(x, 20, tl.LanesConfig(lanes=lanes, segment=4096)) == 2
+
+
+def test_top_k_lanes_leading_dims_and_k():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 3, 1500)) * 2, jnp.bfloat16)
+    for k in (1, 7, 64):
+        vals, idx = tl.top_k(x, k, interpret=True)
+        lv, li = jax.lax.top_k(x, k)
+        assert vals.shape == (2, 3, k) and idx.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(li))
+        np.testing.assert_array_equal(np.asarray(vals).view(np.uint16), np.asarray(lv).view(np.uint16))
+
+
+def test_supports_config_and_plans():
+    assert tl.supports(jnp.zeros((4, 248320), jnp.bfloat16), 64)
+    assert not tl.supports(jnp.zeros((4, 248320), jnp.float32), 64)          # fp32: the chunked kernel
+    assert not tl.supports(jnp.zeros((4, 100), jnp.bfloat16), 65)
+    assert not tl.supports(jnp.zeros((4, 10), jnp.bfloat16), 11)
+    assert not tl.supports(jnp.zeros((4, 10), jnp.bfloat16), True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        tl.top_k(jnp.zeros((4, 100), jnp.float32), 8)
+    for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
+                       ("segment", 512), ("num_warps", 3)]:
+        with pytest.raises(ValueError, match=field):
+            tl.LanesConfig(**{field: bad})
+    p = tl.LanesConfig().resolve(1024, 248320, 64)
+    assert (p["segment"], p["lanes"], p["num_segments"], p["slots"]) == (32768, 1024, 8, 64)
+    p = tl.LanesConfig().resolve(1, 248320, 20)                                # few rows: shorter segments
+    assert (p["segment"], p["num_segments"], p["slots"]) == (2048, 122, 32)
+    p = tl.LanesConfig().resolve(3, 40, 8)
+    assert (p["segment"], p["lanes"], p["num_segments"]) == (64, 64, 1)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1024, 248320, 64), (1024, 248320, 20), (4096, 248320, 64),
+                                          (1, 248320, 20), (3, 40, 8)])
+def test_top_k_lanes_lowers_for_h200(rows, vocab, k):
+    text = lower_for_h200(lambda x: tl.top_k(x, k, interpret=False, poison_outputs=True),
+                          jax.ShapeDtypeStruct((rows, vocab), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 2                      # stage 1 and the fixup
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
+@pytest.mark.parametrize("rows,vocab", [(1024, 248320), (7, 248320), (33, 1000), (5, 40), (16, 131075)])
+def test_top_k_lanes_gpu(rows, vocab, kind):
+    rng = np.random.default_rng(rows + vocab)
+    x = gen_rows(rng, kind, rows, vocab, 64, jnp.bfloat16)
+    for k in (1, 20, 64):
+        if k <= vocab:
+            run_checked(x, k, interpret=False, against_lax=kind != "special")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [tl.LanesConfig(keep=2), tl.LanesConfig(lanes=64, keep=1, segment=4096),
+                                 tl.LanesConfig(lanes=2048, num_warps=8), tl.LanesConfig(lanes=512, segment=8192)])
+def test_top_k_lanes_gpu_configs(cfg):
+    rng = np.random.default_rng(17)
+    x = gen_rows(rng, "gauss", 64, 248320 - 5, 64, jnp.bfloat16)
+    for k in (20, 64):
+        run_checked(x, k, cfg, interpret=False)
+    x = np.full((4, 8192), -5.0, np.float32)
+    x[:, 7::64] = np.arange(8192 // 64)
+    assert run_checked(x, 20, tl.LanesConfig(lanes=64, segment=8192), interpret=False) == 4
+
+
+@gpu
+@pytest.mark.gpu
+def test_top_k_lanes_dispatch_gpu():
+    """impl='auto' on bfloat16 logits takes the lane kernel once validated, and matches lax.top_k."""
+    rng = np.random.default_rng(19)
+    x = jnp.asarray(rng.standard_normal((64, 248320)) * 4, jnp.bfloat16)
+    vals, idx = jax.jit(lambda x: sampling.top_k(x, 64, impl="auto"))(x)
+    lv, li = jax.lax.top_k(x, 64)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(li))
+    np.testing.assert_array_equal(np.asarray(vals).view(np.uint16), np.asarray(lv).view(np.uint16))
