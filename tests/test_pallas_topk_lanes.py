@@ -40,26 +40,28 @@ def run_checked(x, k, config=None, interpret=True, against_lax=True):
     assert not np.any(keys == INT_MIN), "a candidate slot was not written"
     rows, vocab = x.shape
     plan = (config or tl.LanesConfig()).resolve(rows, vocab, k)
-    seg = plan["segment"]
-    logit_keys = np.maximum(np_keys(np.asarray(x.astype(jnp.float32))), tk.KEY_FLOOR)
-    for r in range(rows):
-        for s in range(plan["num_segments"]):
-            span = min(vocab, (s + 1) * seg) - s * seg
-            want = min(k, span)
-            real = keys[r, s] != tk.SENTINEL
-            n = int(real.sum())
-            assert want <= n and real[:n].all(), (r, s, n, want)
-            offsets = np.arange(span)
-            packed = (logit_keys[r, s * seg:s * seg + span] >> 16) * 2**16 + (0xFFFF - offsets)   # int32 value
-            cands = keys[r, s, :n].astype(np.int64)
-            assert np.isin(cands, packed).all(), f"segment ({r}, {s}): a candidate is not one of its keys"
-            assert np.isin(np.sort(packed)[::-1][:want], cands).all(), f"segment ({r}, {s}): top keys missing"
+    seg, nseg, slots = plan["segment"], plan["num_segments"], plan["slots"]
+    logit_keys = np.maximum(np_keys(np.asarray(x.astype(jnp.float32))), tk.KEY_FLOOR) >> 16
+    packed = np.full((rows, nseg * seg), -2**40, np.int64)          # [R, S * seg]: the int32 keys, -2**40 past vocab
+    packed[:, :vocab] = logit_keys * 2**16 + 0xFFFF - np.arange(vocab) % seg
+    packed = packed.reshape(rows, nseg, seg)
+    real = keys != tk.SENTINEL
+    n = real.sum(-1)                                                                  # [R, S]
+    want = np.minimum(k, np.minimum(vocab, seg * (np.arange(nseg) + 1)) - seg * np.arange(nseg))   # [S]
+    assert (n >= want).all(), "a segment has fewer candidates than its top keys"
+    np.testing.assert_array_equal(real, np.arange(slots) < n[..., None], "real candidates must come first")
+    offsets = np.where(real, 0xFFFF - (keys & 0xFFFF), 0)
+    own = np.take_along_axis(packed, offsets, -1)
+    assert (own[real] == keys[real]).all(), "a candidate is not one of its segment's keys"
+    for s in range(nseg):                                                             # the top want keys are in
+        kth = -np.partition(-packed[:, s], want[s] - 1, axis=-1)[:, want[s] - 1]
+        assert ((keys[:, s] >= kth[:, None]) & real[:, s]).sum(-1).tolist() == [want[s]] * rows, s
     return int(flags.sum())
 
 
 CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise the segment tails
-    (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256)),
-    (2, 3000, 64, tl.LanesConfig(lanes=128, segment=1024)),
+    (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256, unroll=3)),     # 15 full steps: 5 blocks, a tail
+    (2, 3000, 64, tl.LanesConfig(lanes=128, segment=1024, unroll=1)),
     (4, 777, 1, tl.LanesConfig(lanes=32, segment=128)),
     (1, 70, 64, None),
     (5, 5000, 33, None),
@@ -115,7 +117,7 @@ def test_supports_config_and_plans():
     with pytest.raises(ValueError, match="bfloat16"):
         tl.top_k(jnp.zeros((4, 100), jnp.float32), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
-                       ("segment", 512), ("num_warps", 3)]:
+                       ("segment", 512), ("num_warps", 3), ("unroll", 0), ("unroll", 17)]:
         with pytest.raises(ValueError, match=field):
             tl.LanesConfig(**{field: bad})
     p = tl.LanesConfig().resolve(1024, 248320, 64)

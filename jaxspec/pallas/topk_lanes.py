@@ -60,11 +60,15 @@ class LanesConfig:
       2 * lanes) while rows * cdiv(vocab, segment) < 528 (four programs per H200 SM); clipped to
       next_pow2(vocab).
     num_warps: warps of a stage-1 / fixup program (1..16, power of two).
+    unroll: steps loaded together before their insertions (1..16): one step of 1024 lanes is 2 KB a
+      program, too little in flight to cover the DRAM latency (the first H200 run, unroll 1: stage 1
+      4.8x the read floor at 1024 x 248,320 for ~1.2x worth of instructions).
     """
     lanes: int = 1024
     keep: int = 6
     segment: int | None = None
     num_warps: int = 4
+    unroll: int = 8
 
     def __post_init__(self):
         if not (is_pow2(self.lanes) and 32 <= self.lanes <= 8192):
@@ -76,6 +80,8 @@ class LanesConfig:
                              f"[lanes={self.lanes}, {MAX_SEGMENT}]")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"LanesConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
+        if not (isinstance(self.unroll, int) and 1 <= self.unroll <= 16):
+            raise ValueError(f"LanesConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
 
     def resolve(self, rows: int, vocab: int, k: int) -> dict:
         """The launch plan: segment, lanes, num_segments, slots, groups."""
@@ -88,7 +94,7 @@ class LanesConfig:
         lanes = min(self.lanes, segment)
         slots = max(16, next_pow2(k))
         return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
-                    slots=slots, groups=min(128, lanes), num_warps=self.num_warps)
+                    slots=slots, groups=min(128, lanes), num_warps=self.num_warps, unroll=self.unroll)
 
 
 def supports(logits, k) -> bool:
@@ -126,13 +132,24 @@ def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked):
     return _packed_keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
 
 
-def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes):
-    """fori over segment s's steps: full steps unmasked, then the partial tail step masked."""
+def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll):
+    """fori over segment s's steps, carry = body(keys [lanes], carry) a step: blocks of `unroll` full
+    steps (all loads issued before the first body), then the remaining full steps, then the partial
+    tail step masked."""
     span = _segment_span(s, vocab, segment)
     lane = jnp.arange(lanes, dtype=jnp.int32)
     load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span)
     n_full = span // lanes
-    carry = lax.fori_loop(0, n_full, lambda i, c: body(load(i, masked=False), c), init)
+    n_blocks = n_full // unroll
+
+    def block(b, carry):
+        keys = [load(b * unroll + j, masked=False) for j in range(unroll)]
+        for key in keys:
+            carry = body(key, carry)
+        return carry
+
+    carry = lax.fori_loop(0, n_blocks, block, init)
+    carry = lax.fori_loop(n_blocks * unroll, n_full, lambda i, c: body(load(i, masked=False), c), carry)
     return lax.fori_loop(n_full, pl.cdiv(span, lanes), lambda i, c: body(load(i, masked=True), c), carry)
 
 
@@ -156,12 +173,13 @@ def _write(key_ref, r, s, keys, sel, *, slots):
     plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
 
 
-def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, keep, slots, groups):
+def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups):
     """One (row, segment): candidates (the top-k of the lanes' buffers) and the overflow flag."""
     key_ref, flag_ref = refs[-2:]
     r, s = pl.program_id(0), pl.program_id(1)
     empty = jnp.full((lanes,), tk.SENTINEL, jnp.int32)
-    bufs = _scan_segment(x_ref, r, s, _insert, (empty,) * keep, vocab=vocab, segment=segment, lanes=lanes)
+    bufs = _scan_segment(x_ref, r, s, _insert, (empty,) * keep, vocab=vocab, segment=segment, lanes=lanes,
+                         unroll=unroll)
     # bufs[0] holds each lane's maximum: the k-th largest of the groups' maxima starts the threshold.
     gmax = jnp.max(bufs[0].reshape(groups, lanes // groups), axis=1)                 # [G]
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
@@ -172,13 +190,13 @@ def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, keep, slots, groups):
     flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
 
 
-def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, slots):
+def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slots):
     """One flagged (row, segment), exactly: the k-th largest key by bisection over the segment's
     keys (one pass a step), then one compacting pass. Unflagged programs return at once."""
     key_ref = refs[-1]
     r, s = pl.program_id(0), pl.program_id(1)
     flagged = flag_ref[0, 0] != 0
-    scan = functools.partial(_scan_segment, x_ref, r, s, vocab=vocab, segment=segment, lanes=lanes)
+    scan = functools.partial(_scan_segment, x_ref, r, s, vocab=vocab, segment=segment, lanes=lanes, unroll=unroll)
     want = jnp.minimum(_I32(k), _segment_span(s, vocab, segment))
 
     @pl.when(flagged)
@@ -211,7 +229,7 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     segments already redone by the fixup."""
     rows, vocab = x.shape
     nseg, slots = plan["num_segments"], plan["slots"]
-    geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], slots=slots)
+    geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], unroll=plan["unroll"], slots=slots)
     out_shape, extra, aliases = tk._outputs([((rows, nseg, slots), jnp.int32)], poison_outputs, 1)
     params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
     keys, flags = pl.pallas_call(
