@@ -63,7 +63,7 @@ def parse(argv=None):
     ap.add_argument("--sweep-stage2-warps", default="4,8")
     ap.add_argument("--sweep-pack", default="1", help="TopKConfig.pack_bf16 values of the sweep (1 / 0)")
     ap.add_argument("--sweep-stage2", default="rounds", help="TopKConfig.stage2 values of the sweep")
-    ap.add_argument("--lanes-configs", default="1024:6:0:4:8",
+    ap.add_argument("--lanes-configs", default="512:6:0:4:8",
                     help="bfloat16 rows: LanesConfig lanes:keep:segment:num_warps:unroll (segment 0: default) to "
                          "time; '' none")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
