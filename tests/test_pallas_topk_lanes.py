@@ -62,7 +62,7 @@ def run_checked(x, k, config=None, interpret=True, against_lax=True):
 CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise the segment tails
     (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256, unroll=3)),     # 15 full steps: 5 blocks, a tail
     (2, 3000, 64, tl.LanesConfig(lanes=128, segment=1024, unroll=1)),
-    (4, 777, 1, tl.LanesConfig(lanes=32, segment=128)),
+    (4, 777, 1, tl.LanesConfig(lanes=32, segment=128, slots=64)),
     (1, 70, 64, None),
     (5, 5000, 33, None),
 ]
@@ -117,13 +117,17 @@ def test_supports_config_and_plans():
     with pytest.raises(ValueError, match="bfloat16"):
         tl.top_k(jnp.zeros((4, 100), jnp.float32), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
-                       ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17)]:
+                       ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17),
+                       ("slots", 8), ("slots", 96)]:
         with pytest.raises(ValueError, match=field):
             tl.LanesConfig(**{field: bad})
     p = tl.LanesConfig().resolve(1024, 248320, 64)
     assert (p["segment"], p["lanes"], p["num_segments"], p["slots"]) == (32768, 512, 8, 64)
     p = tl.LanesConfig().resolve(1, 248320, 20)                                # few rows: shorter segments
     assert (p["segment"], p["num_segments"], p["slots"]) == (1024, 243, 32)
+    with pytest.raises(ValueError, match="slots"):
+        tl.LanesConfig(slots=16).resolve(8, 1000, 20)
+    assert tl.LanesConfig(slots=128).resolve(8, 1000, 20)["slots"] == 128
     p = tl.LanesConfig().resolve(3, 40, 8)
     assert (p["segment"], p["lanes"], p["num_segments"]) == (64, 64, 1)
 

@@ -65,6 +65,9 @@ class LanesConfig:
       2 * lanes) while rows * cdiv(vocab, segment) < 528 (four programs per H200 SM); clipped to
       next_pow2(vocab).
     num_warps: warps of a stage-1 / fixup program (1..16, power of two).
+    slots: candidate slots a segment (power of two >= k, 16..1024); None: max(16, next_pow2(k)).
+      More slots let the threshold from the groups' maxima stand without bisection steps, at a
+      lower threshold, so more lanes reach it with their smallest kept key (flags for the fixup).
     unroll: steps loaded together before their insertions (1..16): one step of 1024 lanes is 2 KB a
       program, too little in flight to cover the DRAM latency (the first H200 run, unroll 1: stage 1
       4.8x the read floor at 1024 x 248,320 for ~1.2x worth of instructions).
@@ -74,6 +77,7 @@ class LanesConfig:
     segment: int | None = None
     num_warps: int = 4
     unroll: int = 8
+    slots: int | None = None
 
     def __post_init__(self):
         if not (is_pow2(self.lanes) and 32 <= self.lanes <= 8192):
@@ -87,6 +91,8 @@ class LanesConfig:
             raise ValueError(f"LanesConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
         if not (isinstance(self.unroll, int) and 1 <= self.unroll <= 16):
             raise ValueError(f"LanesConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
+        if self.slots is not None and not (is_pow2(self.slots) and 16 <= self.slots <= 1024):
+            raise ValueError(f"LanesConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
 
     def resolve(self, rows: int, vocab: int, k: int) -> dict:
         """The launch plan: segment, lanes, num_segments, slots, groups."""
@@ -97,7 +103,9 @@ class LanesConfig:
                 segment //= 2
         segment = min(segment, max(32, next_pow2(vocab)))
         lanes = min(self.lanes, segment)
-        slots = max(16, next_pow2(k))
+        slots = self.slots or max(16, next_pow2(k))
+        if slots < k:
+            raise ValueError(f"LanesConfig.slots={slots}: must be >= k={k}")
         return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
                     slots=slots, groups=min(128, lanes), num_warps=self.num_warps, unroll=self.unroll)
 
