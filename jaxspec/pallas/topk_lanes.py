@@ -175,14 +175,16 @@ def _insert(key, bufs):
     return tuple(out)
 
 
-def _write(key_ref, r, s, keys, sel, *, slots):
-    """Scatter the selected keys of each vector of `keys` to slots in vector order, SENTINEL after."""
-    base = _I32(0)
-    for kv, sv in zip(keys, sel):
-        pos = jnp.where(sv, base + jnp.cumsum(sv.astype(jnp.int32)) - 1, _I32(slots))
-        plgpu.store(key_ref.at[r, s, pos], kv, mask=sv)
-        base = base + jnp.sum(sv.astype(jnp.int32))
-    empty = jnp.arange(slots, dtype=jnp.int32) >= base
+def _scatter(key_ref, r, s, key, sel, base, *, slots):
+    """Scatter the selected keys to slots base, base + 1, ... in lane order -> base + #selected."""
+    pos = jnp.where(sel, base + jnp.cumsum(sel.astype(jnp.int32)) - 1, _I32(slots))
+    plgpu.store(key_ref.at[r, s, pos], key, mask=sel)
+    return base + jnp.sum(sel.astype(jnp.int32))
+
+
+def _fill(key_ref, r, s, n, *, slots):
+    """SENTINEL into slots n.. of (r, s)."""
+    empty = jnp.arange(slots, dtype=jnp.int32) >= n
     plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
 
 
@@ -198,7 +200,10 @@ def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, 
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
     t0 = jnp.max(jnp.where(cnt >= k, gmax, _I32(tk.SENTINEL)))
     t, _ = tk._distinct_threshold(bufs, t0, jnp.max(gmax), k=k, slots=slots, bisect=True)
-    _write(key_ref, r, s, bufs, [kv >= t for kv in bufs], slots=slots)
+    n = _I32(0)
+    for kv in bufs:
+        n = _scatter(key_ref, r, s, kv, kv >= t, n, slots=slots)
+    _fill(key_ref, r, s, n, slots=slots)
     overflow = jnp.max(bufs[-1]) >= t                 # a lane's dropped key may be in the top-k
     flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
 
@@ -225,21 +230,14 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
 
         t, _ = lax.fori_loop(0, 33, body, (_I32(tk.KEY_FLOOR), _I32(tk._I32_MAX)))
 
-        def write(key, base):
-            sel = key >= t
-            pos = jnp.where(sel, base + jnp.cumsum(sel.astype(jnp.int32)) - 1, _I32(slots))
-            plgpu.store(key_ref.at[r, s, pos], key, mask=sel)
-            return base + jnp.sum(sel.astype(jnp.int32))
-
-        n = scan(write, _I32(0))
-        empty = jnp.arange(slots, dtype=jnp.int32) >= n
-        plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
+        n = scan(lambda key, base: _scatter(key_ref, r, s, key, key >= t, base, slots=slots), _I32(0))
+        _fill(key_ref, r, s, n, slots=slots)
 
 
 def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     """x [rows, vocab] bf16 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
-    num_segments] int32): each segment's top-k keys in its first slots, SENTINEL after; flagged
-    segments already redone by the fixup."""
+    num_segments] int32): each segment's first slots hold k..slots of its keys, its top
+    min(k, span) among them (a flagged segment: exactly those, redone by the fixup), SENTINEL after."""
     rows, vocab = x.shape
     nseg, slots = plan["num_segments"], plan["slots"]
     geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], unroll=plan["unroll"], slots=slots)
