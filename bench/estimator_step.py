@@ -24,6 +24,10 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
 - `features+predict+observe V=...`: the whole per-step estimator work, full vocabulary.
 - each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass),
   and "pallas" (jaxspec/pallas/features.py: one pass with an online maximum).
+- `draft argmax` and `draft argmax+features+predict+observe` (features "ref", full vocabulary): the
+  engine reads the draft logits anyway for its draft tokens (greedy: an argmax); the difference of
+  the two is what the estimator adds to a step where XLA may fuse the feature's max pass with the
+  argmax's.
 - the same with a small vocabulary (--small-vocab, 260: the tiny byte-level models) to isolate the
   estimator math from the logits read.
 
@@ -235,6 +239,18 @@ def main(args):
                              for interval in (10**9, args.refit_interval)}
                     add(batch=b, positions=p, case=f"features ({impl})+predict+observe", vocab=vocab, sets=n_sets,
                         floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
+                    if impl == "ref" and vocab == args.vocab:
+                        def draft_tokens(acc, lg):
+                            return acc + jnp.sum(jnp.argmax(lg, axis=-1))
+
+                        def draft_tokens_full(state, xs):
+                            state = full(state, xs)
+                            return state.replace(h_xx=state.h_xx + 0.0 * jnp.sum(jnp.argmax(xs[0], axis=-1)))
+                        add(batch=b, positions=p, case="draft argmax", vocab=vocab, sets=n_sets, floor_us=floor_us,
+                            us_plain=scan_us(draft_tokens, jnp.zeros((), jnp.int32), logits))
+                        add(batch=b, positions=p, case="draft argmax+features+predict+observe", vocab=vocab,
+                            sets=n_sets, floor_us=floor_us,
+                            us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)))
                 del logits
 
     lines = dump()
