@@ -20,8 +20,8 @@ logits), a high block at the start of every chunk (stage 1 bisects in every chun
 x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024
 rows.
 
-bfloat16 rows also time the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each
-`--lanes-configs` entry, on the Gaussian and the adversarial inputs.
+Every row also times the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each `--lanes-configs`
+entry, on the Gaussian and the adversarial inputs.
 
 Every kernel result is checked against `lax.top_k` / `jnp.argmax` (indices equal, values equal)
 in the same run; the `ok` column says so.
@@ -64,7 +64,7 @@ def parse(argv=None):
     ap.add_argument("--sweep-pack", default="1", help="TopKConfig.pack_bf16 values of the sweep (1 / 0)")
     ap.add_argument("--sweep-stage2", default="rounds", help="TopKConfig.stage2 values of the sweep")
     ap.add_argument("--lanes-configs", default="512:6:0:4:8",
-                    help="bfloat16 rows: LanesConfig lanes:keep:segment:num_warps:unroll[:slots] (segment / slots "
+                    help="LanesConfig lanes:keep:segment:num_warps:unroll[:slots] (segment / slots "
                          "0: default) to time; '' none")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
@@ -175,13 +175,13 @@ def main(args):
                              f"| {fmt(r['kernel_us'])} "
                              f"| {fmt(r['stage1_us'])} | {r['ok']} |")
         if lanes:
-            lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py, bfloat16): stage 1 alone includes the fixup "
+            lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py): stage 1 alone includes the fixup "
                       "when a segment is flagged; flags = segments flagged (fixup ran).", "",
-                      "| rows | k | input | config (lanes/keep/segment/warps/unroll/slots) | kernel µs | stage 1 µs | floor µs "
-                      "| × floor | flags | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| rows | dtype | k | input | config (lanes/keep/segment/warps/unroll/slots) | kernel µs | stage 1 µs "
+                      "| floor µs | × floor | flags | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in lanes:
                 c = r["config"]
-                lines.append(f"| {r['rows']} | {r['k']} | {r['input']} | {c.lanes}/{c.keep}/{c.segment or 'auto'}"
+                lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['input']} | {c.lanes}/{c.keep}/{c.segment or 'auto'}"
                              f"/{c.num_warps}/{c.unroll}/{c.slots or 'auto'} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {fmt(r['floor_us'])} "
                              f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['flags']} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
@@ -198,10 +198,11 @@ def main(args):
         for cfg in lanes_configs:
             if over_budget():
                 return
-            plan = cfg.resolve(x.shape[0], x.shape[1], k)
+            plan = cfg.resolve(x.shape[0], x.shape[1], k, x.dtype)
             kus, out = timed(jax.jit(lambda x: tl.top_k(x, k, config=cfg)), x)
             s1us, (_, flags) = timed(jax.jit(lambda x: tl.top_k_candidates(x, k, plan, interpret=not on_gpu)), x)
-            lanes.append(dict(rows=x.shape[0], k=k, input=input_name, config=cfg, kernel_us=kus, stage1_us=s1us,
+            lanes.append(dict(rows=x.shape[0], dtype=jnp.dtype(x.dtype).name, k=k, input=input_name, config=cfg,
+                              kernel_us=kus, stage1_us=s1us,
                               floor_us=floor_us, flags=int(flags.sum()), ok=same(out, ref)))
             print(dump()[-1], flush=True)
 
@@ -224,8 +225,7 @@ def main(args):
                 if over_budget():
                     break
                 ref = lax_top_k(k)(x)
-                if dname == "bfloat16":
-                    lanes_times(x, k, "gaussian", floor_us, ref)
+                lanes_times(x, k, "gaussian", floor_us, ref)
                 kus, s1us, out = kernel_times(x, k)
                 ok = same(out, ref)
                 lax_us = ts_us = None
@@ -266,8 +266,7 @@ def main(args):
                     break
                 x = xin.astype(dt)
                 ref = lax_top_k(k)(x)
-                if dname == "bfloat16":
-                    lanes_times(x, k, name, x.nbytes / bw * 1e6, ref)
+                lanes_times(x, k, name, x.nbytes / bw * 1e6, ref)
                 kus, s1us, out = kernel_times(x, k)
                 ok = same(out, ref)
                 adversarial.append(dict(rows=rows, dtype=dname, input=name, kernel_us=kus, stage1_us=s1us,

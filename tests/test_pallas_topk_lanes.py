@@ -16,7 +16,7 @@ from gpu_lowering import lower_for_h200
 from jaxspec.ops import sampling
 from jaxspec.pallas import topk as tk
 from jaxspec.pallas import topk_lanes as tl
-from test_pallas_topk import check_top_k, gen_rows, np_keys
+from test_pallas_topk import DT_IDS, DTYPES, check_top_k, gen_rows, np_keys
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -29,22 +29,24 @@ def _jit_top_k(k, config, interpret):
                                       candidates_out=True))
 
 
-def run_checked(x, k, config=None, interpret=True, against_lax=True):
+def run_checked(x, k, config=None, interpret=True, against_lax=True, dtype=jnp.bfloat16):
     """top_k, checked against the oracle, and the candidates' contract: every slot written, each
-    segment's real candidates first, all of them its keys, and its top min(k, span) keys among them.
+    segment's real candidates first, all of them its keys (packed: the key's high half over 0xFFFF -
+    offset), and its top min(k, span) logits (key descending, column ascending) among them.
     -> the number of flagged segments."""
-    x = jnp.asarray(x, jnp.bfloat16)
+    x = jnp.asarray(x, dtype)
     vals, idx, keys, flags = _jit_top_k(k, config, interpret)(x)
     check_top_k(x, k, vals, idx, against_lax=against_lax)
     keys, flags = np.asarray(keys), np.asarray(flags)
     assert not np.any(keys == INT_MIN), "a candidate slot was not written"
     rows, vocab = x.shape
-    plan = (config or tl.LanesConfig()).resolve(rows, vocab, k)
+    plan = (config or tl.LanesConfig()).resolve(rows, vocab, k, x.dtype)
     seg, nseg, slots = plan["segment"], plan["num_segments"], plan["slots"]
-    logit_keys = np.maximum(np_keys(np.asarray(x.astype(jnp.float32))), tk.KEY_FLOOR) >> 16
-    packed = np.full((rows, nseg * seg), -2**40, np.int64)          # [R, S * seg]: the int32 keys, -2**40 past vocab
-    packed[:, :vocab] = logit_keys * 2**16 + 0xFFFF - np.arange(vocab) % seg
-    packed = packed.reshape(rows, nseg, seg)
+    full = np.full((rows, nseg * seg), -2**40, np.int64)            # [R, S * seg]: keys, -2**40 past vocab
+    full[:, :vocab] = np.maximum(np_keys(np.asarray(x.astype(jnp.float32))), tk.KEY_FLOOR)
+    full = full.reshape(rows, nseg, seg)
+    low = 0xFFFF - np.arange(seg)                                   # 0xFFFF - offset
+    packed = (full >> 16) * 2**16 + low                             # the int32 values stage 1 writes
     real = keys != tk.SENTINEL
     n = real.sum(-1)                                                                  # [R, S]
     want = np.minimum(k, np.minimum(vocab, seg * (np.arange(nseg) + 1)) - seg * np.arange(nseg))   # [S]
@@ -53,9 +55,13 @@ def run_checked(x, k, config=None, interpret=True, against_lax=True):
     offsets = np.where(real, 0xFFFF - (keys & 0xFFFF), 0)
     own = np.take_along_axis(packed, offsets, -1)
     assert (own[real] == keys[real]).all(), "a candidate is not one of its segment's keys"
-    for s in range(nseg):                                                             # the top want keys are in
-        kth = -np.partition(-packed[:, s], want[s] - 1, axis=-1)[:, want[s] - 1]
-        assert ((keys[:, s] >= kth[:, None]) & real[:, s]).sum(-1).tolist() == [want[s]] * rows, s
+    chosen = np.zeros((rows, nseg, seg), bool)
+    np.put_along_axis(chosen, offsets, real, -1)
+    chosen[..., 0] = (real & (offsets == 0)).any(-1)                # offset 0 also stands for empty slots
+    rank = (full + 2**40) * 2**16 + low                             # (key desc, column asc) as one number
+    for s in range(nseg):
+        top = np.argpartition(-rank[:, s], want[s] - 1, axis=-1)[:, :want[s]]
+        assert np.take_along_axis(chosen[:, s], top, -1).all(), f"segment {s}: a top key is missing"
     return int(flags.sum())
 
 
@@ -69,23 +75,37 @@ CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise
 CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}" for r, v, k, c in CASES]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
 @pytest.mark.parametrize("rows,vocab,k,config", CASES, ids=CASE_IDS)
-def test_top_k_lanes_interpret(rows, vocab, k, config, kind):
+def test_top_k_lanes_interpret(rows, vocab, k, config, kind, dtype):
     rng = np.random.default_rng(rows * vocab + k)
-    x = gen_rows(rng, kind, rows, vocab, k, jnp.bfloat16)
-    run_checked(x, k, config, against_lax=kind != "special")
+    x = gen_rows(rng, kind, rows, vocab, k, dtype)
+    run_checked(x, k, config, against_lax=kind != "special", dtype=dtype)
 
 
 @pytest.mark.parametrize("keep,lanes", [(1, 32), (2, 64), (3, 32)])
-def test_top_k_lanes_fixup(keep, lanes):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_top_k_lanes_fixup(keep, lanes, dtype):
     """Few kept keys: lanes overflow, the fixup redoes their segments exactly."""
     rng = np.random.default_rng(keep * lanes)
     cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512)
-    x = gen_rows(rng, "gauss", 3, 2000, 64, jnp.bfloat16)
-    assert run_checked(x, 64, cfg) > 0, "no segment was flagged: the fixup did not run"
-    x = gen_rows(rng, "ties", 3, 2000, 20, jnp.bfloat16)
-    run_checked(x, 20, cfg)
+    x = gen_rows(rng, "gauss", 3, 2000, 64, dtype)
+    assert run_checked(x, 64, cfg, dtype=dtype) > 0, "no segment was flagged: the fixup did not run"
+    x = gen_rows(rng, "ties", 3, 2000, 20, dtype)
+    run_checked(x, 20, cfg, dtype=dtype)
+
+
+def test_top_k_lanes_float32_band():
+    """float32 logits that differ only below the high half of their keys: the whole band passes the
+    threshold (more than the slots: the fixup), and the order comes from the full values."""
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal((3, 3000)).astype(np.float32)
+    x[0, :] = 5.0 + rng.uniform(0, 1e-3, 3000).astype(np.float32)      # one band: ~2**13 values apart
+    x[1, rng.choice(3000, 200, replace=False)] = 7.0 + rng.uniform(0, 1e-3, 200).astype(np.float32)
+    x[2, 1000:1100] = 6.0                                                 # exact ties inside a band
+    assert run_checked(x, 64, dtype=jnp.float32) > 0
+    assert np.all(np.asarray(jnp.asarray(x[:1], jnp.bfloat16) == jnp.bfloat16(5.0)))
 
 
 def test_top_k_lanes_periodic_rows_flag():
@@ -110,12 +130,13 @@ def test_top_k_lanes_leading_dims_and_k():
 
 def test_supports_config_and_plans():
     assert tl.supports(jnp.zeros((4, 248320), jnp.bfloat16), 64)
-    assert not tl.supports(jnp.zeros((4, 248320), jnp.float32), 64)          # fp32: the chunked kernel
+    assert tl.supports(jnp.zeros((4, 248320), jnp.float32), 64)
+    assert not tl.supports(jnp.zeros((4, 248320), jnp.float16), 64)
     assert not tl.supports(jnp.zeros((4, 100), jnp.bfloat16), 65)
     assert not tl.supports(jnp.zeros((4, 10), jnp.bfloat16), 11)
     assert not tl.supports(jnp.zeros((4, 10), jnp.bfloat16), True)
-    with pytest.raises(ValueError, match="bfloat16"):
-        tl.top_k(jnp.zeros((4, 100), jnp.float32), 8)
+    with pytest.raises(ValueError, match="bf16/fp32"):
+        tl.top_k(jnp.zeros((4, 100), jnp.float16), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
                        ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17),
                        ("slots", 8), ("slots", 96)]:
@@ -128,15 +149,20 @@ def test_supports_config_and_plans():
     with pytest.raises(ValueError, match="slots"):
         tl.LanesConfig(slots=16).resolve(8, 1000, 20)
     assert tl.LanesConfig(slots=128).resolve(8, 1000, 20)["slots"] == 128
+    p = tl.LanesConfig().resolve(1024, 248320, 64, jnp.float32)         # float32: room for the band
+    assert (p["slots"], p["select_slots"], p["band"]) == (128, 64, True)
+    with pytest.raises(ValueError, match="2k"):
+        tl.LanesConfig(slots=32).resolve(8, 1000, 20, jnp.float32)
     p = tl.LanesConfig().resolve(3, 40, 8)
     assert (p["segment"], p["lanes"], p["num_segments"]) == (64, 64, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("rows,vocab,k", [(1024, 248320, 64), (1024, 248320, 20), (4096, 248320, 64),
                                           (1, 248320, 20), (3, 40, 8)])
-def test_top_k_lanes_lowers_for_h200(rows, vocab, k):
+def test_top_k_lanes_lowers_for_h200(rows, vocab, k, dtype):
     text = lower_for_h200(lambda x: tl.top_k(x, k, interpret=False, poison_outputs=True),
-                          jax.ShapeDtypeStruct((rows, vocab), jnp.bfloat16))
+                          jax.ShapeDtypeStruct((rows, vocab), dtype))
     assert text.count("__gpu$xla.gpu.triton") == 2                      # stage 1 and the fixup
 
 
@@ -145,14 +171,15 @@ def test_top_k_lanes_lowers_for_h200(rows, vocab, k):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
 @pytest.mark.parametrize("rows,vocab", [(256, 248320), (7, 248320), (33, 1000), (5, 40), (16, 131075)])
-def test_top_k_lanes_gpu(rows, vocab, kind):
+def test_top_k_lanes_gpu(rows, vocab, kind, dtype):
     rng = np.random.default_rng(rows + vocab)
-    x = gen_rows(rng, kind, rows, vocab, 64, jnp.bfloat16)
+    x = gen_rows(rng, kind, rows, vocab, 64, dtype)
     for k in (1, 20, 64):
         if k <= vocab:
-            run_checked(x, k, interpret=False, against_lax=kind != "special")
+            run_checked(x, k, interpret=False, against_lax=kind != "special", dtype=dtype)
 
 
 @gpu
@@ -167,12 +194,15 @@ def test_top_k_lanes_gpu_configs(cfg):
     x = np.full((4, 8192), -5.0, np.float32)
     x[:, 7::64] = np.arange(8192 // 64)
     assert run_checked(x, 20, tl.LanesConfig(lanes=64, segment=8192), interpret=False) == 4
+    x = np.random.default_rng(18).standard_normal((3, 3000)).astype(np.float32)
+    x[0, :] = 5.0 + np.random.default_rng(19).uniform(0, 1e-3, 3000).astype(np.float32)
+    assert run_checked(x, 64, interpret=False, dtype=jnp.float32) > 0        # the float32 band: the fixup
 
 
 @gpu
 @pytest.mark.gpu
 def test_top_k_lanes_dispatch_gpu():
-    """impl='auto' on bfloat16 logits takes the lane kernel once validated, and matches lax.top_k."""
+    """impl='auto' on bfloat16 logits (the lane kernel once validated) matches lax.top_k."""
     rng = np.random.default_rng(19)
     x = jnp.asarray(rng.standard_normal((64, 248320)) * 4, jnp.bfloat16)
     vals, idx = jax.jit(lambda x: sampling.top_k(x, 64, impl="auto"))(x)

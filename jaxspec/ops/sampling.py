@@ -86,8 +86,9 @@ def top_k(logits, k, *, impl="auto"):
     -> (values [..., k] logits.dtype, ids [..., k] int32), sorted descending in the IEEE total order
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
-    The Pallas kernels cover float32 / bfloat16 with k <= 64: bfloat16 the one-read lane-buffer
-    kernel (pallas/topk_lanes.py) once its GPU tests passed, float32 the chunked one (pallas/topk.py).
+    The Pallas kernels cover float32 / bfloat16 with k <= 64: the one-read lane-buffer kernel
+    (pallas/topk_lanes.py) once its GPU tests passed (impl="pallas": always), else the chunked one
+    (pallas/topk.py).
     """
     if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
         if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):

@@ -1,7 +1,8 @@
-"""Top-k of bfloat16 logits in one read: per-lane top-`keep` buffers (Pallas, Triton lowering).
+"""Top-k of large rows in one read: per-lane top-`keep` buffers (Pallas, Triton lowering).
 
 Contract: `jaxspec.ops.sampling.top_k` (jax.lax.top_k's order: key descending in the IEEE total
-order, ties by the lower column). bfloat16 only: the column rides in the low half of the key.
+order, ties by the lower column); bfloat16 and float32 logits. The column rides in the low half of
+the key, so the buffers order keys by their high half (all of a bfloat16 key) and the offset.
 
 Why: the chunked top-k (topk.py) selects candidates per 4096-column chunk with a threshold, a
 count, a scan and a scatter store for every element: ~40 instructions an element, 5-7x the read
@@ -25,9 +26,18 @@ its top 128 with probability about C(128, 6) / 1024^5 = 5e-6 a segment: the fixu
 adversarial rows (e.g. logits periodic in the column with the lane count's period), where it is
 slow but exact.
 
+float32: the packed key keeps the high half of the 32-bit key only, so the buffers' top-k is the
+top-k by that half (ties broken by offset), not by value. The true k-th largest value's high half is
+>= that of t (k keys reach t), so stage 1 selects the whole band, every packed key >= t & 0xFFFF0000
+(the values whose high half is >= t's), and flags the segment when those exceed `slots` or a lane's
+a_keep reaches the band. A band holds 2**16 neighbouring keys (8 mantissa bits): for Gaussian
+logits a few extra candidates. The fixup works on the full 32-bit keys: a bisection to the k-th
+largest key t*, the count of keys > t*, then one pass in column order that writes those and the
+first ties at t* (lax.top_k's lower columns first).
+
 The candidates, [rows, num_segments, slots] packed keys (segment and offset give the column), are
-few (8 x 64 a row at 248,320 x k = 64): XLA sorts them by (logit key descending, column ascending),
-the exact lax.top_k order, and gathers the k values from the logits.
+few (8 x 64 a row at 248,320 x k = 64): XLA gathers their logits and sorts them by (key descending,
+column ascending), the exact lax.top_k order.
 """
 from __future__ import annotations
 
@@ -42,10 +52,11 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas import topk as tk
 from jaxspec.pallas.tiles import is_pow2, next_pow2
 
-# impl="auto" takes this kernel for bfloat16 logits on the GPU only after its GPU tests passed. On
-# the H200 (2026-12-01) it matched lax.top_k bit for bit at 1024 and 4096 x 248,320 on Gaussian, tied,
+# impl="auto" takes this kernel on the GPU only after its GPU tests passed. On the H200 (2026-12-01)
+# the bfloat16 path matched lax.top_k bit for bit at 1024 and 4096 x 248,320 on Gaussian, tied,
 # clustered and 99 % -inf rows (fixup included), and 3 of the GPU test cases passed before that
-# call's limit; the small shapes and special values have not run on the GPU yet. impl="pallas" reaches it.
+# call's limit; the small shapes, special values, the float32 band and the tie-aware fixup (written
+# after that run) have not run on the GPU yet. impl="pallas" reaches it.
 GPU_VALIDATED = False
 MAX_SEGMENT = 32768         # 0xFFFF - offset stays >= 0x8000: no packed key reaches SENTINEL / INT_MIN
 _TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM
@@ -65,7 +76,9 @@ class LanesConfig:
       2 * lanes) while rows * cdiv(vocab, segment) < 528 (four programs per H200 SM); clipped to
       next_pow2(vocab).
     num_warps: warps of a stage-1 / fixup program (1..16, power of two).
-    slots: candidate slots a segment (power of two >= k, 16..1024); None: max(16, next_pow2(k)).
+    slots: candidate slots a segment (power of two >= k, 16..1024); None: max(16, next_pow2(k)) for
+      bfloat16, max(16, next_pow2(2k)) for float32, whose band of ties in the high half (module
+      docstring) needs room above the at most slots / 2 keys the threshold leaves.
       More slots let the threshold from the groups' maxima stand without bisection steps, at a
       lower threshold, so more lanes reach it with their smallest kept key (flags for the fixup).
     unroll: steps loaded together before their insertions (1..16): one step of 1024 lanes is 2 KB a
@@ -94,7 +107,7 @@ class LanesConfig:
         if self.slots is not None and not (is_pow2(self.slots) and 16 <= self.slots <= 1024):
             raise ValueError(f"LanesConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
 
-    def resolve(self, rows: int, vocab: int, k: int) -> dict:
+    def resolve(self, rows: int, vocab: int, k: int, dtype=jnp.bfloat16) -> dict:
         """The launch plan: segment, lanes, num_segments, slots, groups."""
         segment = self.segment
         if segment is None:
@@ -103,17 +116,20 @@ class LanesConfig:
                 segment //= 2
         segment = min(segment, max(32, next_pow2(vocab)))
         lanes = min(self.lanes, segment)
-        slots = self.slots or max(16, next_pow2(k))
-        if slots < k:
-            raise ValueError(f"LanesConfig.slots={slots}: must be >= k={k}")
+        band = jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
+        slots = self.slots or max(16, next_pow2(2 * k if band else k))
+        if slots < (2 * k if band else k):
+            raise ValueError(f"LanesConfig.slots={slots}: must be >= {'2k' if band else 'k'}={2 * k if band else k} "
+                             f"for {jnp.dtype(dtype).name}")
         return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
-                    slots=slots, groups=min(128, lanes), num_warps=self.num_warps, unroll=self.unroll)
+                    slots=slots, band=band, select_slots=slots // 2 if band else slots, groups=min(128, lanes),
+                    num_warps=self.num_warps, unroll=self.unroll)
 
 
 def supports(logits, k) -> bool:
-    """[..., vocab] bfloat16, 1 <= k <= min(64, vocab)."""
+    """[..., vocab] bfloat16 / float32, 1 <= k <= min(64, vocab)."""
     try:
-        if logits.ndim < 1 or jnp.dtype(logits.dtype) != jnp.dtype(jnp.bfloat16):
+        if logits.ndim < 1 or jnp.dtype(logits.dtype) not in tk._DTYPES:
             return False
         if not isinstance(k, int) or isinstance(k, bool):
             return False
@@ -123,35 +139,44 @@ def supports(logits, k) -> bool:
         return False
 
 
+def _full_keys(x):
+    """Logits -> int32 sort keys (IEEE total order), at least KEY_FLOOR."""
+    return jnp.maximum(tk.sort_key(x), _I32(tk.KEY_FLOOR))
+
+
 def _packed_keys(x, offset):
-    """bfloat16 logits -> int32 keys: the sort key's high half over 0xFFFF - offset (distinct within a
-    segment, ordered by logit descending then offset ascending)."""
-    key = jnp.maximum(tk.sort_key(x), _I32(tk.KEY_FLOOR))
-    return (key & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
+    """Logits -> int32 keys: the sort key's high half over 0xFFFF - offset (distinct within a segment,
+    ordered by the high half descending, then offset ascending)."""
+    return (_full_keys(x) & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
+
+
+def _packed_and_full(x, offset):
+    return _packed_keys(x, offset), _full_keys(x)
 
 
 def _segment_span(s, vocab, segment):
     return jnp.minimum(_I32(vocab) - s * segment, _I32(segment))
 
 
-def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked):
-    """The packed keys of step i of segment s (SENTINEL past the segment's span when masked)."""
+def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked, keys=_packed_keys):
+    """keys(x, offset) of step i of segment s (a key or a tuple of keys; SENTINEL past the segment's
+    span when masked)."""
     offset = i * lanes + lane
     start = s * segment + i * lanes
     if masked:
         inb = offset < span
         x = plgpu.load(x_ref.at[r, pl.ds(start, lanes)], mask=inb, other=0)
-        return jnp.where(inb, _packed_keys(x, offset), _I32(tk.SENTINEL))
-    return _packed_keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
+        return jax.tree.map(lambda key: jnp.where(inb, key, _I32(tk.SENTINEL)), keys(x, offset))
+    return keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
 
 
-def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll):
-    """fori over segment s's steps, carry = body(keys [lanes], carry) a step: blocks of `unroll` full
-    steps (all loads issued before the first body), then the remaining full steps, then the partial
-    tail step masked."""
+def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll, keys=_packed_keys):
+    """fori over segment s's steps, carry = body(keys(x, offset) [lanes], carry) a step: blocks of
+    `unroll` full steps (all loads issued before the first body), then the remaining full steps,
+    then the partial tail step masked. Steps, and lanes inside a step, go in column order."""
     span = _segment_span(s, vocab, segment)
     lane = jnp.arange(lanes, dtype=jnp.int32)
-    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span)
+    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span, keys=keys)
     n_full = span // lanes
     n_blocks = n_full // unroll
 
@@ -188,8 +213,9 @@ def _fill(key_ref, r, s, n, *, slots):
     plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
 
 
-def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups):
-    """One (row, segment): candidates (the top-k of the lanes' buffers) and the overflow flag."""
+def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups, band, select_slots):
+    """One (row, segment): candidates (the top-k of the lanes' buffers; band: every buffered key in
+    the high-half band of that top-k's smallest or above) and the overflow flag."""
     key_ref, flag_ref = refs[-2:]
     r, s = pl.program_id(0), pl.program_id(1)
     empty = jnp.full((lanes,), tk.SENTINEL, jnp.int32)
@@ -199,18 +225,27 @@ def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, 
     gmax = jnp.max(bufs[0].reshape(groups, lanes // groups), axis=1)                 # [G]
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
     t0 = jnp.max(jnp.where(cnt >= k, gmax, _I32(tk.SENTINEL)))
-    t, _ = tk._distinct_threshold(bufs, t0, jnp.max(gmax), k=k, slots=slots, bisect=True)
+    t, _ = tk._distinct_threshold(bufs, t0, jnp.max(gmax), k=k, slots=select_slots, bisect=True)
+    sel = [kv >= t for kv in bufs]
+    if band:                                          # float32: the values whose high half is >= t's
+        t = jnp.maximum(t & _I32(tk._HIGH_HALF), _I32(tk.KEY_FLOOR))
+        sel = [kv >= t for kv in bufs]
+        too_many = functools.reduce(jnp.add, [jnp.sum(sv.astype(jnp.int32)) for sv in sel]) > slots
+        sel = [sv & ~too_many for sv in sel]
     n = _I32(0)
-    for kv in bufs:
-        n = _scatter(key_ref, r, s, kv, kv >= t, n, slots=slots)
+    for kv, sv in zip(bufs, sel):
+        n = _scatter(key_ref, r, s, kv, sv, n, slots=slots)
     _fill(key_ref, r, s, n, slots=slots)
     overflow = jnp.max(bufs[-1]) >= t                 # a lane's dropped key may be in the top-k
+    if band:
+        overflow = overflow | too_many
     flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
 
 
 def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slots):
-    """One flagged (row, segment), exactly: the k-th largest key by bisection over the segment's
-    keys (one pass a step), then one compacting pass. Unflagged programs return at once."""
+    """One flagged (row, segment), exactly: the k-th largest full key t* by bisection over the
+    segment's keys (one pass a step), the count of keys > t*, then one pass in column order writing
+    (packed) the keys > t* and the first ties at t*. Unflagged programs return at once."""
     key_ref = refs[-1]
     r, s = pl.program_id(0), pl.program_id(1)
     flagged = flag_ref[0, 0] != 0
@@ -219,8 +254,10 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
 
     @pl.when(flagged)
     def _redo():
-        def count(t):
-            return scan(lambda key, n: n + jnp.sum((key >= t).astype(jnp.int32)), _I32(0))
+        def count(t, strict=False):
+            above = (lambda key: key > t) if strict else (lambda key: key >= t)
+            return scan(lambda key, n: n + jnp.sum(above(key).astype(jnp.int32)), _I32(0),
+                        keys=lambda x, offset: _full_keys(x))
 
         def body(i, lohi):        # invariant: count(lo) >= want > count(hi + 1)
             lo, hi = lohi
@@ -229,22 +266,33 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
             return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
         t, _ = lax.fori_loop(0, 33, body, (_I32(tk.KEY_FLOOR), _I32(tk._I32_MAX)))
+        cap = want - count(t, strict=True)                # ties at t to take, lowest columns first
 
-        n = scan(lambda key, base: _scatter(key_ref, r, s, key, key >= t, base, slots=slots), _I32(0))
+        def write(keys, carry):
+            packed, full = keys
+            n, ties = carry
+            eq = full == t
+            tie_rank = ties + jnp.cumsum(eq.astype(jnp.int32))
+            n = _scatter(key_ref, r, s, packed, (full > t) | (eq & (tie_rank <= cap)), n, slots=slots)
+            return n, ties + jnp.sum(eq.astype(jnp.int32))
+
+        n, _ = scan(write, (_I32(0), _I32(0)), keys=_packed_and_full)
         _fill(key_ref, r, s, n, slots=slots)
 
 
 def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
-    """x [rows, vocab] bf16 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
+    """x [rows, vocab] bf16 / f32 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
     num_segments] int32): each segment's first slots hold k..slots of its keys, its top
-    min(k, span) among them (a flagged segment: exactly those, redone by the fixup), SENTINEL after."""
+    min(k, span) among them (a flagged segment: exactly those, redone by the fixup), SENTINEL after.
+    float32: the packed keys order by their high half only; `order_candidates` sorts by value."""
     rows, vocab = x.shape
     nseg, slots = plan["num_segments"], plan["slots"]
     geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], unroll=plan["unroll"], slots=slots)
     out_shape, extra, aliases = tk._outputs([((rows, nseg, slots), jnp.int32)], poison_outputs, 1)
     params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
     keys, flags = pl.pallas_call(
-        functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], **geometry),
+        functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], band=plan["band"],
+                          select_slots=plan["select_slots"], **geometry),
         out_shape=out_shape + (jax.ShapeDtypeStruct((rows, nseg), jnp.int32),),
         out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
         grid=(rows, nseg),
@@ -273,35 +321,36 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
 
 def order_candidates(x, keys, k, segment):
     """Packed candidates [rows, nseg, slots] -> (values [rows, k], indices [rows, k]) in lax.top_k's
-    order: one XLA sort of the few candidates by (logit key descending, column ascending)."""
+    order: their logits gathered, then one XLA sort of the few by (key descending, column ascending)."""
     rows, nseg, _ = keys.shape
     real = keys >= tk.KEY_FLOOR
     seg = jnp.arange(nseg, dtype=jnp.int32)[None, :, None]
-    cols = jnp.where(real, seg * segment + (0xFFFF - (keys & 0xFFFF)), jnp.iinfo(jnp.int32).max)
-    logit_key = jnp.where(real, keys >> 16, -2**16)      # the bf16 logit's sort key; below every real one
-    _, cols = lax.sort((-logit_key.reshape(rows, -1), cols.reshape(rows, -1)), dimension=1, num_keys=2)
-    idx = cols[:, :k]
+    cols = jnp.where(real, seg * segment + (0xFFFF - (keys & 0xFFFF)), 0).reshape(rows, -1)
+    real = real.reshape(rows, -1)
+    full = jnp.where(real, _full_keys(jnp.take_along_axis(x, cols, axis=1)), jnp.iinfo(jnp.int32).min)
+    _, cols = lax.sort((~full, jnp.where(real, cols, jnp.iinfo(jnp.int32).max)), dimension=1, num_keys=2)
+    idx = cols[:, :k]                                    # ~full: descending keys, without overflow
     return jnp.take_along_axis(x, idx, axis=1), idx
 
 
 def top_k(logits, k, *, config: LanesConfig | None = None, interpret: bool | None = None,
           poison_outputs: bool = False, candidates_out: bool = False):
-    """Values and indices of the k largest bfloat16 logits per row, in jax.lax.top_k's order.
+    """Values and indices of the k largest logits per row, in jax.lax.top_k's order.
 
-    logits [..., vocab] bfloat16; k static, 1 <= k <= min(64, vocab).
-    -> (values [..., k] bfloat16, indices [..., k] int32), descending, ties: lower index first.
+    logits [..., vocab] bfloat16 / float32; k static, 1 <= k <= min(64, vocab).
+    -> (values [..., k] logits.dtype, indices [..., k] int32), descending, ties: lower index first.
     candidates_out: also return (packed keys [rows, nseg, slots], overflow flags [rows, nseg]).
     poison_outputs: stage 1 writes into an INT_MIN-filled buffer (tests: unwritten slots show).
     """
     if not supports(logits, k):
         raise ValueError(f"top_k lanes kernel: unsupported logits {getattr(logits, 'shape', None)} "
-                         f"{getattr(logits, 'dtype', None)} with k={k!r} (bfloat16, 1 <= k <= min(64, vocab))")
+                         f"{getattr(logits, 'dtype', None)} with k={k!r} (bf16/fp32, 1 <= k <= min(64, vocab))")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     lead = logits.shape[:-1]
     rows, vocab = tk._rows_vocab(logits)
     x = logits.reshape(rows, vocab)
-    plan = (config or LanesConfig()).resolve(rows, vocab, k)
+    plan = (config or LanesConfig()).resolve(rows, vocab, k, logits.dtype)
     keys, flags = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
     vals, idx = order_candidates(x, keys, k, plan["segment"])
     out = vals.reshape(*lead, k), idx.reshape(*lead, k)
