@@ -144,14 +144,20 @@ def _full_keys(x):
     return jnp.maximum(tk.sort_key(x), _I32(tk.KEY_FLOOR))
 
 
-def _packed_keys(x, offset):
-    """Logits -> int32 keys: the sort key's high half over 0xFFFF - offset (distinct within a segment,
+def _pack(full, offset):
+    """Full keys -> packed keys: the high half over 0xFFFF - offset (distinct within a segment,
     ordered by the high half descending, then offset ascending)."""
-    return (_full_keys(x) & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
+    return (full & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
+
+
+def _packed_keys(x, offset):
+    return _pack(_full_keys(x), offset)
 
 
 def _packed_and_full(x, offset):
-    return _packed_keys(x, offset), _full_keys(x)
+    """Both keys of the fixup's compacting pass, the sort key computed once."""
+    full = _full_keys(x)
+    return _pack(full, offset), full
 
 
 def _segment_span(s, vocab, segment):
