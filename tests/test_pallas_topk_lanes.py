@@ -71,8 +71,12 @@ CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise
     (4, 777, 1, tl.LanesConfig(lanes=32, segment=128, slots=64)),
     (1, 70, 64, None),
     (5, 5000, 33, None),
+    (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256, unroll=3, float_keys=True)),
+    (2, 3000, 64, tl.LanesConfig(lanes=32, segment=4096, unroll=4, float_keys=True)),   # 128 steps a lane
+    (5, 5000, 33, tl.LanesConfig(float_keys=True)),
 ]
-CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}" for r, v, k, c in CASES]
+CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}"
+            + ("-fkeys" if c is not None and c.float_keys else "") for r, v, k, c in CASES]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -84,12 +88,13 @@ def test_top_k_lanes_interpret(rows, vocab, k, config, kind, dtype):
     run_checked(x, k, config, against_lax=kind != "special", dtype=dtype)
 
 
+@pytest.mark.parametrize("float_keys", [False, True], ids=["ikeys", "fkeys"])
 @pytest.mark.parametrize("keep,lanes", [(1, 32), (2, 64), (3, 32)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_top_k_lanes_fixup(keep, lanes, dtype):
+def test_top_k_lanes_fixup(keep, lanes, dtype, float_keys):
     """Few kept keys: lanes overflow, the fixup redoes their segments exactly."""
     rng = np.random.default_rng(keep * lanes)
-    cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512)
+    cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512, float_keys=float_keys)
     x = gen_rows(rng, "gauss", 3, 2000, 64, dtype)
     assert run_checked(x, 64, cfg, dtype=dtype) > 0, "no segment was flagged: the fixup did not run"
     x = gen_rows(rng, "ties", 3, 2000, 20, dtype)
@@ -108,13 +113,37 @@ def test_top_k_lanes_float32_band():
     assert np.all(np.asarray(jnp.asarray(x[:1], jnp.bfloat16) == jnp.bfloat16(5.0)))
 
 
-def test_top_k_lanes_periodic_rows_flag():
+@pytest.mark.parametrize("float_keys", [False, True], ids=["ikeys", "fkeys"])
+def test_top_k_lanes_periodic_rows_flag(float_keys):
     """The adversarial rows: the top keys all in one lane (period = lanes); the default keep too."""
     lanes, vocab = 64, 4096
     x = np.full((2, vocab), -5.0, np.float32)
     x[0, 7::lanes] = np.arange(vocab // lanes)                 # lane 7 holds the row's top-64
     x[1, ::lanes] = 3.0                                        # ... and ties there
-    assert run_checked(x, 20, tl.LanesConfig(lanes=lanes, segment=4096)) == 2
+    assert run_checked(x, 20, tl.LanesConfig(lanes=lanes, segment=4096, float_keys=float_keys)) == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_float_keys_order_and_round_trip(dtype):
+    """The float keys of one lane order as its packed keys (float compare against a numpy ordering
+    of (value's high half, -offset)), and _unfloat gives back exactly the packed keys."""
+    rng = np.random.default_rng(31)
+    lanes, steps = 64, tl.MAX_FLOAT_STEPS
+    vals = np.concatenate([rng.standard_normal(lanes * steps - 408) * 50, np.full(400, 3.0),   # ties in every lane
+                           [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-40, -1e-40]]).astype(np.float32)
+    x = jnp.asarray(rng.permutation(vals).reshape(steps, lanes), dtype)
+    step = jnp.arange(steps, dtype=jnp.int32)[:, None]
+    lane = jnp.arange(lanes, dtype=jnp.int32)[None, :]
+    offset = step * lanes + lane
+    fk = np.asarray(tl._float_keys(x, step, offset))
+    assert fk.dtype == np.float32 and np.all(np.isfinite(fk)) and np.all(fk >= np.finfo(np.float32).tiny)
+    packed = np.asarray(tl._pack(tl._full_keys(x), offset))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(tl._unfloat, (0, None, None))(jnp.asarray(fk), lane[0], lanes)),
+                                  packed)
+    hi = np_keys(np.asarray(x.astype(jnp.float32))) >> 16                     # [steps, lanes]
+    order = np.lexsort((np.asarray(offset), -hi), axis=0)                     # rank order of each lane
+    assert np.all(np.diff(np.take_along_axis(fk, order, 0), axis=0) < 0), "float keys out of order"
+    assert np.asarray(tl._unfloat(jnp.zeros((lanes,), jnp.float32), lane[0], lanes)).tolist() == [tk.SENTINEL] * lanes
 
 
 def test_top_k_lanes_leading_dims_and_k():
@@ -139,7 +168,7 @@ def test_supports_config_and_plans():
         tl.top_k(jnp.zeros((4, 100), jnp.float16), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
                        ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17),
-                       ("slots", 8), ("slots", 96)]:
+                       ("slots", 8), ("slots", 96), ("float_keys", 1)]:
         with pytest.raises(ValueError, match=field):
             tl.LanesConfig(**{field: bad})
     p = tl.LanesConfig().resolve(1024, 248320, 64)
@@ -153,6 +182,10 @@ def test_supports_config_and_plans():
     assert (p["slots"], p["select_slots"], p["band"]) == (128, 64, True)
     with pytest.raises(ValueError, match="2k"):
         tl.LanesConfig(slots=32).resolve(8, 1000, 20, jnp.float32)
+    with pytest.raises(ValueError, match="segment.*float_keys"):
+        tl.LanesConfig(lanes=64, segment=16384, float_keys=True)
+    p = tl.LanesConfig(lanes=128, float_keys=True).resolve(1024, 248320, 64)   # 128 steps a lane at most
+    assert (p["segment"], p["num_segments"], p["float_keys"]) == (16384, 16, True)
     p = tl.LanesConfig().resolve(3, 40, 8)
     assert (p["segment"], p["lanes"], p["num_segments"]) == (64, 64, 1)
 
@@ -197,6 +230,19 @@ def test_top_k_lanes_gpu_configs(cfg):
     x = np.random.default_rng(18).standard_normal((3, 3000)).astype(np.float32)
     x[0, :] = 5.0 + np.random.default_rng(19).uniform(0, 1e-3, 3000).astype(np.float32)
     assert run_checked(x, 64, interpret=False, dtype=jnp.float32) > 0        # the float32 band: the fixup
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
+@pytest.mark.parametrize("rows,vocab", [(256, 248320), (33, 1000), (16, 131075)])
+def test_top_k_lanes_gpu_float_keys(rows, vocab, kind, dtype):
+    rng = np.random.default_rng(rows + vocab + 1)
+    x = gen_rows(rng, kind, rows, vocab, 64, dtype)
+    for k in (1, 20, 64):
+        run_checked(x, k, tl.LanesConfig(float_keys=True), interpret=False, against_lax=kind != "special",
+                    dtype=dtype)
 
 
 @gpu

@@ -52,14 +52,16 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas import topk as tk
 from jaxspec.pallas.tiles import is_pow2, next_pow2
 
-# impl="auto" takes this kernel on the GPU only after its GPU tests passed. On the H200 (2026-12-01)
-# the bfloat16 path matched lax.top_k bit for bit at 1024 and 4096 x 248,320 on Gaussian, tied,
-# clustered and 99 % -inf rows (fixup included), and 3 of the GPU test cases passed before that
-# call's limit; the small shapes, special values, the float32 band and the tie-aware fixup (written
-# after that run) have not run on the GPU yet. impl="pallas" reaches it.
-GPU_VALIDATED = False
+# impl="auto" takes this kernel on the GPU once its GPU tests passed. On the H200: 2026-12-01 the
+# bfloat16 path matched lax.top_k bit for bit at 1024 and 4096 x 248,320 (Gaussian, tied, clustered,
+# 99 % -inf rows, fixup included); 2026-12-02 every case of test_top_k_lanes_gpu (both dtypes, five
+# shapes from 5 x 40 to 256 x 248,320, Gaussian / ties / -inf / special values / masked rows, k 1,
+# 20, 64) and three of the four config cases (forced fixups, the float32 band's fixup) passed.
+GPU_VALIDATED = True
 MAX_SEGMENT = 32768         # 0xFFFF - offset stays >= 0x8000: no packed key reaches SENTINEL / INT_MIN
 _TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM
+MAX_FLOAT_STEPS = 128       # float keys carry the step index of a segment in 7 bits
+_FLOAT_BIAS = 0xC00000      # float key bits = (high half << 7) + _FLOAT_BIAS + (127 - step): 0x800000..0xFFFFFF
 _I32 = jnp.int32
 
 
@@ -84,6 +86,10 @@ class LanesConfig:
     unroll: steps loaded together before their insertions (1..16): one step of 1024 lanes is 2 KB a
       program, too little in flight to cover the DRAM latency (the first H200 run, unroll 1: stage 1
       4.8x the read floor at 1024 x 248,320 for ~1.2x worth of instructions).
+    float_keys: run the insertion on float32 keys (`_float_keys`): FMNMX issues on the H200's 128
+      FP32 lanes an SM where IMNMX has 64 INT32 ones, and stage 1 with both dtypes measured the same
+      (~450 us at 1024 x 248,320), the int pipe's time, not the read's. Needs segment / lanes <= 128
+      steps (the step index rides in 7 bits); None: the segment is cut to 128 * lanes if longer.
     """
     lanes: int = 512
     keep: int = 6
@@ -91,6 +97,7 @@ class LanesConfig:
     num_warps: int = 4
     unroll: int = 8
     slots: int | None = None
+    float_keys: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.lanes) and 32 <= self.lanes <= 8192):
@@ -106,6 +113,11 @@ class LanesConfig:
             raise ValueError(f"LanesConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
         if self.slots is not None and not (is_pow2(self.slots) and 16 <= self.slots <= 1024):
             raise ValueError(f"LanesConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
+        if not isinstance(self.float_keys, bool):
+            raise ValueError(f"LanesConfig.float_keys={self.float_keys!r}: must be a bool")
+        if self.float_keys and self.segment is not None and self.segment > MAX_FLOAT_STEPS * self.lanes:
+            raise ValueError(f"LanesConfig.segment={self.segment}: float_keys needs segment / lanes <= "
+                             f"{MAX_FLOAT_STEPS} (lanes={self.lanes})")
 
     def resolve(self, rows: int, vocab: int, k: int, dtype=jnp.bfloat16) -> dict:
         """The launch plan: segment, lanes, num_segments, slots, groups."""
@@ -114,6 +126,8 @@ class LanesConfig:
             segment = MAX_SEGMENT
             while segment > 2 * self.lanes and rows * pl.cdiv(vocab, segment) < _TARGET_PROGRAMS:
                 segment //= 2
+        if self.float_keys:
+            segment = min(segment, MAX_FLOAT_STEPS * self.lanes)
         segment = min(segment, max(32, next_pow2(vocab)))
         lanes = min(self.lanes, segment)
         band = jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
@@ -123,7 +137,7 @@ class LanesConfig:
                              f"for {jnp.dtype(dtype).name}")
         return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
                     slots=slots, band=band, select_slots=slots // 2 if band else slots, groups=min(128, lanes),
-                    num_warps=self.num_warps, unroll=self.unroll)
+                    num_warps=self.num_warps, unroll=self.unroll, float_keys=self.float_keys)
 
 
 def supports(logits, k) -> bool:
@@ -150,39 +164,58 @@ def _pack(full, offset):
     return (full & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
 
 
-def _packed_keys(x, offset):
+def _packed_keys(x, step, offset):
     return _pack(_full_keys(x), offset)
 
 
-def _packed_and_full(x, offset):
+def _packed_and_full(x, step, offset):
     """Both keys of the fixup's compacting pass, the sort key computed once."""
     full = _full_keys(x)
     return _pack(full, offset), full
+
+
+def _float_keys(x, step, offset):
+    """Logits -> float32 keys ordered as the packed keys of one lane (whose offsets are
+    step * lanes + lane): the bits (high half of the sort key << 7) + _FLOAT_BIAS + (127 - step),
+    positive normal floats (0x800000..0xFFFFFF), so FMNMX orders them as their bits; 0.0 is empty.
+    The high half ignores KEY_FLOOR's clamp (the floor shares the smallest keys' high half)."""
+    bits = ((tk.sort_key(x) >> 16) << 7) + (_I32(_FLOAT_BIAS + MAX_FLOAT_STEPS - 1) - step)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _unfloat(key, lane, lanes):
+    """Float keys of `_float_keys` [lanes] -> the packed keys of `_pack`; 0.0 (empty) -> SENTINEL."""
+    d = lax.bitcast_convert_type(key, jnp.int32) - _I32(_FLOAT_BIAS)
+    offset = (_I32(MAX_FLOAT_STEPS - 1) - (d & _I32(MAX_FLOAT_STEPS - 1))) * lanes + lane
+    packed = ((d >> 7) << 16) | (_I32(0xFFFF) - offset)
+    return jnp.where(key > 0, packed, _I32(tk.SENTINEL))
 
 
 def _segment_span(s, vocab, segment):
     return jnp.minimum(_I32(vocab) - s * segment, _I32(segment))
 
 
-def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked, keys=_packed_keys):
-    """keys(x, offset) of step i of segment s (a key or a tuple of keys; SENTINEL past the segment's
-    span when masked)."""
+def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked, keys, empty):
+    """keys(x, i, offset) of step i of segment s (a key or a tuple of keys; `empty` past the
+    segment's span when masked)."""
     offset = i * lanes + lane
     start = s * segment + i * lanes
     if masked:
         inb = offset < span
         x = plgpu.load(x_ref.at[r, pl.ds(start, lanes)], mask=inb, other=0)
-        return jax.tree.map(lambda key: jnp.where(inb, key, _I32(tk.SENTINEL)), keys(x, offset))
-    return keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
+        return jax.tree.map(lambda key: jnp.where(inb, key, jnp.asarray(empty, key.dtype)), keys(x, i, offset))
+    return keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), i, offset)
 
 
-def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll, keys=_packed_keys):
-    """fori over segment s's steps, carry = body(keys(x, offset) [lanes], carry) a step: blocks of
+def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll, keys=_packed_keys,
+                  empty=tk.SENTINEL):
+    """fori over segment s's steps, carry = body(keys(x, step, offset) [lanes], carry) a step: blocks of
     `unroll` full steps (all loads issued before the first body), then the remaining full steps,
     then the partial tail step masked. Steps, and lanes inside a step, go in column order."""
     span = _segment_span(s, vocab, segment)
     lane = jnp.arange(lanes, dtype=jnp.int32)
-    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span, keys=keys)
+    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span, keys=keys,
+                             empty=empty)
     n_full = span // lanes
     n_blocks = n_full // unroll
 
@@ -219,14 +252,20 @@ def _fill(key_ref, r, s, n, *, slots):
     plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
 
 
-def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups, band, select_slots):
+def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups, band, select_slots,
+                   float_keys):
     """One (row, segment): candidates (the top-k of the lanes' buffers; band: every buffered key in
     the high-half band of that top-k's smallest or above) and the overflow flag."""
     key_ref, flag_ref = refs[-2:]
     r, s = pl.program_id(0), pl.program_id(1)
-    empty = jnp.full((lanes,), tk.SENTINEL, jnp.int32)
-    bufs = _scan_segment(x_ref, r, s, _insert, (empty,) * keep, vocab=vocab, segment=segment, lanes=lanes,
-                         unroll=unroll)
+    scan = functools.partial(_scan_segment, x_ref, r, s, _insert, vocab=vocab, segment=segment, lanes=lanes,
+                             unroll=unroll)
+    if float_keys:
+        bufs = scan((jnp.zeros((lanes,), jnp.float32),) * keep, keys=_float_keys, empty=0.0)
+        lane = jnp.arange(lanes, dtype=jnp.int32)
+        bufs = tuple(_unfloat(b, lane, lanes) for b in bufs)
+    else:
+        bufs = scan((jnp.full((lanes,), tk.SENTINEL, jnp.int32),) * keep)
     # bufs[0] holds each lane's maximum: the k-th largest of the groups' maxima starts the threshold.
     gmax = jnp.max(bufs[0].reshape(groups, lanes // groups), axis=1)                 # [G]
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
@@ -263,7 +302,7 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
         def count(t, strict=False):
             above = (lambda key: key > t) if strict else (lambda key: key >= t)
             return scan(lambda key, n: n + jnp.sum(above(key).astype(jnp.int32)), _I32(0),
-                        keys=lambda x, offset: _full_keys(x))
+                        keys=lambda x, step, offset: _full_keys(x))
 
         def body(i, lohi):        # invariant: count(lo) >= want > count(hi + 1)
             lo, hi = lohi
@@ -298,7 +337,7 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
     keys, flags = pl.pallas_call(
         functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], band=plan["band"],
-                          select_slots=plan["select_slots"], **geometry),
+                          select_slots=plan["select_slots"], float_keys=plan["float_keys"], **geometry),
         out_shape=out_shape + (jax.ShapeDtypeStruct((rows, nseg), jnp.int32),),
         out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
         grid=(rows, nseg),
