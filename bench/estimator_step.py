@@ -42,6 +42,7 @@ Usage (GPU machine):
 Writes DIR/estimator_step.md and DIR/estimator_step.json (DIR = --out, default $OUT or bench/out).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -87,6 +88,7 @@ def main(args):
     benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
+    from jaxspec.ops import sampling
     from jaxspec.pallas import features as pf
     from jaxspec.spec import estimator as est
 
@@ -251,6 +253,47 @@ def main(args):
                         add(batch=b, positions=p, case="draft argmax+features+predict+observe", vocab=vocab,
                             sets=n_sets, floor_us=floor_us,
                             us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)))
+
+                        def engine_draft(state, xs, sampled, with_estimator=True):
+                            """The engine's draft side: one DraftDistribution for the drafts (argmax, or
+                            a draw at T > 0), q at the drafts (what accept reads) and, with the
+                            estimator, the feature, predict and observe."""
+                            lg, ver, acc = xs
+                            t = temperature if sampled else jnp.zeros_like(temperature)
+                            dist = sampling.draft_distribution(lg, t)
+                            drafts = sampling.sample_draft(draw_keys, dist) if sampled else dist.argmax
+                            live = jnp.sum(drafts) + (jnp.sum(dist.prob_at(drafts[..., None])) if sampled else 0.0)
+                            if with_estimator:
+                                xk = est.distribution_features(dist)
+                                _, s = est.predict(state, xk)
+                                state = est.observe(state, xk, ver, acc)
+                                live = live + s[0, -1]
+                            return state.replace(h_xx=state.h_xx + 0.0 * live)
+
+                        def materialised_q(state, xs):
+                            """The sampled draft side before 2026-12-02: q = softmax over the vocabulary
+                            (float32, written), a draw from log q, the feature in its own two passes."""
+                            lg, ver, acc = xs
+                            q = jax.nn.softmax(lg.astype(jnp.float32) / temp, axis=-1)
+                            drafts = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq), axis=-1))(draw_keys, q)
+                            xk = est.features(lg, temperature, impl="ref")
+                            _, s = est.predict(state, xk)
+                            state = est.observe(state, xk, ver, acc)
+                            live = jnp.sum(jnp.take_along_axis(q, drafts[..., None], axis=-1)) + s[0, -1]
+                            return state.replace(h_xx=state.h_xx + 0.0 * live)
+
+                        draw_keys = jax.random.split(jax.random.key(b), b)
+                        for case, fn in (("engine draft, greedy: argmax",
+                                          functools.partial(engine_draft, sampled=False, with_estimator=False)),
+                                         ("engine draft, greedy: argmax+features+predict+observe",
+                                          functools.partial(engine_draft, sampled=False)),
+                                         (f"engine draft, T={temp}: draw+q",
+                                          functools.partial(engine_draft, sampled=True, with_estimator=False)),
+                                         (f"engine draft, T={temp}: draw+q+features+predict+observe",
+                                          functools.partial(engine_draft, sampled=True)),
+                                         (f"materialised q, T={temp}: draw+q+features+predict+observe", materialised_q)):
+                            add(batch=b, positions=p, case=case, vocab=vocab, sets=n_sets, floor_us=floor_us,
+                                us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)))
                 del logits
 
     lines = dump()

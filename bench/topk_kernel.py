@@ -64,8 +64,8 @@ def parse(argv=None):
     ap.add_argument("--sweep-pack", default="1", help="TopKConfig.pack_bf16 values of the sweep (1 / 0)")
     ap.add_argument("--sweep-stage2", default="rounds", help="TopKConfig.stage2 values of the sweep")
     ap.add_argument("--lanes-configs", default="512:6:0:4:8",
-                    help="LanesConfig lanes:keep:segment:num_warps:unroll[:slots[:float_keys]] (segment / "
-                         "slots 0: default; float_keys 1 / 0) to time; '' none")
+                    help="LanesConfig lanes:keep:segment:num_warps:unroll[:slots] (segment / slots "
+                         "0: default) to time; '' none")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -109,8 +109,7 @@ def main(args):
 
     results, adversarial, sweep, lanes = [], [], [], []
     lanes_configs = [tl.LanesConfig(lanes=int(a), keep=int(b), segment=int(c) or None, num_warps=int(d), unroll=int(e),
-                                    slots=int(f[0]) if f and int(f[0]) else None,
-                                    float_keys=len(f) > 1 and bool(int(f[1])))
+                                    slots=int(f[0]) if f and int(f[0]) else None)
                      for a, b, c, d, e, *f in (spec.split(":") for spec in args.lanes_configs.split(",") if spec)]
 
     def lax_top_k(k):
@@ -178,12 +177,12 @@ def main(args):
         if lanes:
             lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py): stage 1 alone includes the fixup "
                       "when a segment is flagged; flags = segments flagged (fixup ran).", "",
-                      "| rows | dtype | k | input | config (lanes/keep/segment/warps/unroll/slots/keys) | kernel µs | stage 1 µs "
+                      "| rows | dtype | k | input | config (lanes/keep/segment/warps/unroll/slots) | kernel µs | stage 1 µs "
                       "| floor µs | × floor | flags | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in lanes:
                 c = r["config"]
                 lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['input']} | {c.lanes}/{c.keep}/{c.segment or 'auto'}"
-                             f"/{c.num_warps}/{c.unroll}/{c.slots or 'auto'}/{'f32' if c.float_keys else 'i32'} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {fmt(r['floor_us'])} "
+                             f"/{c.num_warps}/{c.unroll}/{c.slots or 'auto'} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {fmt(r['floor_us'])} "
                              f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['flags']} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")

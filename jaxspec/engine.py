@@ -130,13 +130,11 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
 
     # draft (features score the distribution, never the drawn token: non-anticipation)
+    # one argmax pass and one exp-sum pass give the drafts (greedy), q's normaliser and the feature
     draft_logits = proposer.propose(state.proposer, anchors, slots, ctx_len)[:, :t - 1]
-    if greedy:
-        drafts, q = sampling.greedy_tokens(draft_logits), None
-    else:
-        q = sampling.draft_distribution(draft_logits, params.temperature)
-        drafts = sampling.sample_draft(key_draft, q)
-    features = estimator.features(draft_logits, params.temperature)
+    dist = sampling.draft_distribution(draft_logits, params.temperature)
+    drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
+    features = estimator.distribution_features(dist)
     _, survival = estimator.predict(state.estimator, features)
 
     # plan: drafts to verify per request, and the packed layout of the verify

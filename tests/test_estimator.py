@@ -13,7 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.ops import sampling
 from jaxspec.spec import estimator as est
+
+# the two forms of the feature: from the logits, and from the engine's draft distribution
+FEATURE_FORMS = {"logits": est.features,
+                 "distribution": lambda logits, t: est.distribution_features(sampling.draft_distribution(logits, t))}
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -241,8 +246,9 @@ def np_features(logits, temperature):
     return np.clip(out, -40, 40)
 
 
-def test_features_match_a_float64_oracle():
-    fn = est.features
+@pytest.mark.parametrize("form", FEATURE_FORMS)
+def test_features_match_a_float64_oracle(form):
+    fn = FEATURE_FORMS[form]
     rng = np.random.default_rng(7)
     B, P, V = 4, 6, 50
     logits = rng.normal(0, 2, (B, P, V)).astype(np.float32)
@@ -281,8 +287,10 @@ def test_features_edge_cases():
     assert bf.dtype == jnp.float32 and bf.shape == (3, 4)
 
 
-def test_features_special_rows():
-    """+inf entries (one and tied), rows of -inf, a NaN, ragged temperatures, a large odd vocabulary."""
+@pytest.mark.parametrize("form", FEATURE_FORMS)
+def test_features_special_rows(form):
+    """+inf entries (one and tied), rows of -inf, a NaN, ragged temperatures, a large odd vocabulary;
+    both forms bit for bit the same."""
     rng = np.random.default_rng(9)
     logits = rng.normal(0, 3, (3, 5, 1001)).astype(np.float32)
     logits[0, 0, 17] = np.inf             # q_max = 1: clamps at +40
@@ -291,7 +299,8 @@ def test_features_special_rows():
     logits[0, 3, 5] = np.nan
     logits[1, 4, :500] = -np.inf
     temperature = np.array([1.0, 0.3, 0.0], np.float32)
-    x = np.asarray(jax.jit(est.features)(logits, temperature))
+    x = np.asarray(jax.jit(FEATURE_FORMS[form])(logits, temperature))
+    np.testing.assert_array_equal(x, np.asarray(jax.jit(est.features)(logits, temperature)))
     np.testing.assert_allclose(x[0, :3], [40.0, 0.0, -np.log(1000.0)], rtol=1e-6)
     assert np.isnan(x[0, 3]) and np.isnan(x).sum() == 1
     np.testing.assert_allclose(x[0, 4], np_features(logits[:1, 4:], temperature[:1])[0, 0], rtol=1e-5, atol=2e-5)

@@ -5,6 +5,7 @@ lowering on the CPU.
 Stage 1 writes into an INT_MIN-filled buffer (poison_outputs), so a candidate slot it fails to
 write shows; values are compared bit for bit, indices exactly. Small `keep` / `lanes` configs
 force the overflow flag, so the exact fixup kernel runs too, and its result is checked."""
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,7 @@ from gpu_lowering import lower_for_h200
 from jaxspec.ops import sampling
 from jaxspec.pallas import topk as tk
 from jaxspec.pallas import topk_lanes as tl
-from test_pallas_topk import DT_IDS, DTYPES, check_top_k, gen_rows, np_keys
+from test_pallas_topk import DT_IDS, DTYPES, bits, check_top_k, gen_rows, np_keys
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -33,7 +34,10 @@ def run_checked(x, k, config=None, interpret=True, against_lax=True, dtype=jnp.b
     """top_k, checked against the oracle, and the candidates' contract: every slot written, each
     segment's real candidates first, all of them its keys (packed: the key's high half over 0xFFFF -
     offset), and its top min(k, span) logits (key descending, column ascending) among them.
+    The config's fallback_share becomes 1.0 (the fixup takes every flagged segment: its candidates
+    are checked); test_top_k_lanes_fallback covers the chunked kernel's path.
     -> the number of flagged segments."""
+    config = dataclasses.replace(config or tl.LanesConfig(), fallback_share=1.0)
     x = jnp.asarray(x, dtype)
     vals, idx, keys, flags = _jit_top_k(k, config, interpret)(x)
     check_top_k(x, k, vals, idx, against_lax=against_lax)
@@ -71,12 +75,8 @@ CASES = [  # rows, vocab, k, config: segments and lanes small enough to exercise
     (4, 777, 1, tl.LanesConfig(lanes=32, segment=128, slots=64)),
     (1, 70, 64, None),
     (5, 5000, 33, None),
-    (3, 1000, 20, tl.LanesConfig(lanes=64, segment=256, unroll=3, float_keys=True)),
-    (2, 3000, 64, tl.LanesConfig(lanes=32, segment=4096, unroll=4, float_keys=True)),   # 128 steps a lane
-    (5, 5000, 33, tl.LanesConfig(float_keys=True)),
 ]
-CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}"
-            + ("-fkeys" if c is not None and c.float_keys else "") for r, v, k, c in CASES]
+CASE_IDS = [f"{r}x{v}-k{k}-{'default' if c is None else f'l{c.lanes}s{c.segment}'}" for r, v, k, c in CASES]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -88,17 +88,34 @@ def test_top_k_lanes_interpret(rows, vocab, k, config, kind, dtype):
     run_checked(x, k, config, against_lax=kind != "special", dtype=dtype)
 
 
-@pytest.mark.parametrize("float_keys", [False, True], ids=["ikeys", "fkeys"])
 @pytest.mark.parametrize("keep,lanes", [(1, 32), (2, 64), (3, 32)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_top_k_lanes_fixup(keep, lanes, dtype, float_keys):
+def test_top_k_lanes_fixup(keep, lanes, dtype):
     """Few kept keys: lanes overflow, the fixup redoes their segments exactly."""
     rng = np.random.default_rng(keep * lanes)
-    cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512, float_keys=float_keys)
+    cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512)
     x = gen_rows(rng, "gauss", 3, 2000, 64, dtype)
     assert run_checked(x, 64, cfg, dtype=dtype) > 0, "no segment was flagged: the fixup did not run"
     x = gen_rows(rng, "ties", 3, 2000, 20, dtype)
     run_checked(x, 20, cfg, dtype=dtype)
+
+
+@pytest.mark.parametrize("share,path", [(0.0, "chunked"), (0.125, "chunked"), (1.0, "fixup")])
+def test_top_k_lanes_fallback(share, path):
+    """float32 rows of integer ties: a band of exact ties wider than the slots flags every segment;
+    above fallback_share the chunked kernel takes the call (stage 1's candidates come back unfixed),
+    else the fixup. Both give lax.top_k's result."""
+    rng = np.random.default_rng(29)
+    x = jnp.asarray(np.clip(np.round(rng.standard_normal((3, 5000)) * 1.5), -3, 3), jnp.float32)
+    cfg = tl.LanesConfig(lanes=64, segment=1024, fallback_share=share)
+    vals, idx, keys, flags = _jit_top_k(64, cfg, True)(x)
+    check_top_k(x, 64, vals, idx)
+    flags = np.asarray(flags)
+    assert flags.all(), "every segment should be flagged"
+    fixed = run_checked(x, 64, cfg, dtype=jnp.float32)                 # the fixup's candidates
+    _, _, fixed_keys, _ = _jit_top_k(64, dataclasses.replace(cfg, fallback_share=1.0), True)(x)
+    same = np.array_equal(np.asarray(keys), np.asarray(fixed_keys))
+    assert fixed == flags.size and same == (path == "fixup")
 
 
 def test_top_k_lanes_float32_band():
@@ -113,37 +130,13 @@ def test_top_k_lanes_float32_band():
     assert np.all(np.asarray(jnp.asarray(x[:1], jnp.bfloat16) == jnp.bfloat16(5.0)))
 
 
-@pytest.mark.parametrize("float_keys", [False, True], ids=["ikeys", "fkeys"])
-def test_top_k_lanes_periodic_rows_flag(float_keys):
+def test_top_k_lanes_periodic_rows_flag():
     """The adversarial rows: the top keys all in one lane (period = lanes); the default keep too."""
     lanes, vocab = 64, 4096
     x = np.full((2, vocab), -5.0, np.float32)
     x[0, 7::lanes] = np.arange(vocab // lanes)                 # lane 7 holds the row's top-64
     x[1, ::lanes] = 3.0                                        # ... and ties there
-    assert run_checked(x, 20, tl.LanesConfig(lanes=lanes, segment=4096, float_keys=float_keys)) == 2
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_float_keys_order_and_round_trip(dtype):
-    """The float keys of one lane order as its packed keys (float compare against a numpy ordering
-    of (value's high half, -offset)), and _unfloat gives back exactly the packed keys."""
-    rng = np.random.default_rng(31)
-    lanes, steps = 64, tl.MAX_FLOAT_STEPS
-    vals = np.concatenate([rng.standard_normal(lanes * steps - 408) * 50, np.full(400, 3.0),   # ties in every lane
-                           [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-40, -1e-40]]).astype(np.float32)
-    x = jnp.asarray(rng.permutation(vals).reshape(steps, lanes), dtype)
-    step = jnp.arange(steps, dtype=jnp.int32)[:, None]
-    lane = jnp.arange(lanes, dtype=jnp.int32)[None, :]
-    offset = step * lanes + lane
-    fk = np.asarray(tl._float_keys(x, step, offset))
-    assert fk.dtype == np.float32 and np.all(np.isfinite(fk)) and np.all(fk >= np.finfo(np.float32).tiny)
-    packed = np.asarray(tl._pack(tl._full_keys(x), offset))
-    np.testing.assert_array_equal(np.asarray(jax.vmap(tl._unfloat, (0, None, None))(jnp.asarray(fk), lane[0], lanes)),
-                                  packed)
-    hi = np_keys(np.asarray(x.astype(jnp.float32))) >> 16                     # [steps, lanes]
-    order = np.lexsort((np.asarray(offset), -hi), axis=0)                     # rank order of each lane
-    assert np.all(np.diff(np.take_along_axis(fk, order, 0), axis=0) < 0), "float keys out of order"
-    assert np.asarray(tl._unfloat(jnp.zeros((lanes,), jnp.float32), lane[0], lanes)).tolist() == [tk.SENTINEL] * lanes
+    assert run_checked(x, 20, tl.LanesConfig(lanes=lanes, segment=4096)) == 2
 
 
 def test_top_k_lanes_leading_dims_and_k():
@@ -168,7 +161,8 @@ def test_supports_config_and_plans():
         tl.top_k(jnp.zeros((4, 100), jnp.float16), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
                        ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17),
-                       ("slots", 8), ("slots", 96), ("float_keys", 1)]:
+                       ("slots", 8), ("slots", 96), ("fallback_share", -0.1), ("fallback_share", 1.5),
+                       ("fallback_share", True)]:
         with pytest.raises(ValueError, match=field):
             tl.LanesConfig(**{field: bad})
     p = tl.LanesConfig().resolve(1024, 248320, 64)
@@ -182,10 +176,6 @@ def test_supports_config_and_plans():
     assert (p["slots"], p["select_slots"], p["band"]) == (128, 64, True)
     with pytest.raises(ValueError, match="2k"):
         tl.LanesConfig(slots=32).resolve(8, 1000, 20, jnp.float32)
-    with pytest.raises(ValueError, match="segment.*float_keys"):
-        tl.LanesConfig(lanes=64, segment=16384, float_keys=True)
-    p = tl.LanesConfig(lanes=128, float_keys=True).resolve(1024, 248320, 64)   # 128 steps a lane at most
-    assert (p["segment"], p["num_segments"], p["float_keys"]) == (16384, 16, True)
     p = tl.LanesConfig().resolve(3, 40, 8)
     assert (p["segment"], p["lanes"], p["num_segments"]) == (64, 64, 1)
 
@@ -196,7 +186,7 @@ def test_supports_config_and_plans():
 def test_top_k_lanes_lowers_for_h200(rows, vocab, k, dtype):
     text = lower_for_h200(lambda x: tl.top_k(x, k, interpret=False, poison_outputs=True),
                           jax.ShapeDtypeStruct((rows, vocab), dtype))
-    assert text.count("__gpu$xla.gpu.triton") == 2                      # stage 1 and the fixup
+    assert text.count("__gpu$xla.gpu.triton") == 4      # stage 1, the fixup, the chunked fallback's two
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -235,23 +225,19 @@ def test_top_k_lanes_gpu_configs(cfg):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("kind", ["gauss", "ties", "neginf", "special", "masked"])
-@pytest.mark.parametrize("rows,vocab", [(256, 248320), (33, 1000), (16, 131075)])
-def test_top_k_lanes_gpu_float_keys(rows, vocab, kind, dtype):
-    rng = np.random.default_rng(rows + vocab + 1)
-    x = gen_rows(rng, kind, rows, vocab, 64, dtype)
-    for k in (1, 20, 64):
-        run_checked(x, k, tl.LanesConfig(float_keys=True), interpret=False, against_lax=kind != "special",
-                    dtype=dtype)
-
-
-@gpu
-@pytest.mark.gpu
-def test_top_k_lanes_dispatch_gpu():
-    """impl='auto' on bfloat16 logits (the lane kernel once validated) matches lax.top_k."""
+def test_top_k_lanes_dispatch_gpu(dtype):
+    """impl='auto' (the lane kernel, GPU-validated) matches lax.top_k, and the target distribution
+    of [B, T, vocab] logits through it equals impl='ref'."""
+    assert tl.GPU_VALIDATED
     rng = np.random.default_rng(19)
-    x = jnp.asarray(rng.standard_normal((64, 248320)) * 4, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((64, 248320)) * 4, dtype)
     vals, idx = jax.jit(lambda x: sampling.top_k(x, 64, impl="auto"))(x)
     lv, li = jax.lax.top_k(x, 64)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(li))
-    np.testing.assert_array_equal(np.asarray(vals).view(np.uint16), np.asarray(lv).view(np.uint16))
+    np.testing.assert_array_equal(bits(vals), bits(lv))
+    params = sampling.SamplingParams.create(8, temperature=0.7, top_k=40, top_p=0.9)
+    td = jax.jit(sampling.target_distribution, static_argnums=2, static_argnames="impl")
+    p_ref, i_ref = td(x.reshape(8, 8, -1), params, 64, impl="ref")
+    p_auto, i_auto = td(x.reshape(8, 8, -1), params, 64, impl="auto")
+    np.testing.assert_array_equal(np.asarray(i_auto), np.asarray(i_ref))
+    np.testing.assert_allclose(np.asarray(p_auto), np.asarray(p_ref), rtol=1e-6, atol=1e-7)

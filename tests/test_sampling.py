@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stats import chi2_test
-from jaxspec.ops.sampling import (SamplingParams, accept, draft_distribution, greedy_tokens,
+from jaxspec.ops.sampling import (SamplingParams, accept, draft_distribution, greedy_tokens, logit_stats,
                                   sample_draft, target_distribution)
 
 # jitted entry points (eager dispatch of many small ops is slower than one compile on CPU)
@@ -149,22 +149,58 @@ def test_draft_distribution_and_sample():
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((2, 3, VOCAB)).astype(np.float32)
     logits[0, 1, [4, 9]] = 10.0                                   # tie at the argmax
-    q = draft_distribution(jnp.asarray(logits), jnp.array([0.0, 0.5]))
-    assert q.shape == (2, 3, VOCAB) and q.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(q[0]), np.eye(VOCAB)[logits[0].argmax(-1)])
-    assert np.asarray(q[0, 1, 4]) == 1.0
-    e = np.exp(logits[1] / 0.5 - (logits[1] / 0.5).max(-1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(q[1]), e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    q = jax.jit(draft_distribution)(jnp.asarray(logits, jnp.bfloat16), jnp.array([0.0, 0.5]))
+    logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))     # what the draft saw
+    dense = np.asarray(q.prob_at(jnp.broadcast_to(jnp.arange(VOCAB), (2, 3, VOCAB))))
+    assert dense.dtype == np.float32 and q.lse.shape == (2, 3)
+    np.testing.assert_array_equal(dense[0], np.eye(VOCAB)[logits[0].argmax(-1)])
+    assert dense[0, 1, 4] == 1.0
+    z = logits[1].astype(np.float64) / 0.5
+    e = np.exp(z - z.max(-1, keepdims=True))
+    np.testing.assert_allclose(dense[1], e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(q.lse[1]), np.log(np.exp(z).sum(-1)), rtol=1e-6)
+    # ids outside the vocabulary are clipped (never an out-of-bounds gather)
+    np.testing.assert_array_equal(np.asarray(q.prob_at(jnp.full((2, 3, 1), VOCAB + 5))), dense[..., -1:])
     keys = jax.random.split(jax.random.key(0), 2)
     tok = jax.jit(sample_draft)(keys, q)
     assert tok.shape == (2, 3) and tok.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(tok[0]), logits[0].argmax(-1))
     # one key per request: a request's draws do not depend on its batch
-    np.testing.assert_array_equal(np.asarray(sample_draft(keys[1], q[1])), np.asarray(tok[1]))
-    # zero-probability tokens are never drawn
-    qs = jnp.zeros((4000, VOCAB)).at[:, [2, 5]].set(0.5)
+    q1 = jax.tree_util.tree_map(lambda a: a[1], q)
+    np.testing.assert_array_equal(np.asarray(sample_draft(keys[1], q1)), np.asarray(tok[1]))
+    # zero-probability tokens are never drawn; the draws follow q (chi-square, 3 cells)
+    qs = draft_distribution(jnp.full((6000, VOCAB), -jnp.inf).at[:, [2, 5, 7]].set(jnp.log(jnp.array([0.2, 0.3, 0.5]))),
+                            1.0)
     draws = np.asarray(jax.jit(sample_draft)(jax.random.key(3), qs))
-    assert set(np.unique(draws)) == {2, 5}
+    assert set(np.unique(draws)) == {2, 5, 7}
+    _, _, p_value = chi2_test([(draws == v).sum() for v in (2, 5, 7)], [0.2, 0.3, 0.5])
+    assert p_value > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 300])
+def test_logit_stats_against_float64(vocab):
+    """argmax, zmax, ties, rest against a float64 numpy oracle: ties at the maximum, a NaN row, an
+    all -inf row, +inf entries, a near-one q_max (rest far below float32's epsilon)."""
+    rng = np.random.default_rng(vocab)
+    z = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    z[1, : min(3, vocab)] = z[1].max() + 1.0                      # tied maxima
+    z[2, vocab // 2] = np.nan
+    z[3] = -np.inf
+    z[4, vocab - 1] = np.inf
+    z[5] = -60.0
+    z[5, 0] = 0.0                                                 # q_max = 1 - 1e-26 in exact arithmetic
+    am, zmax, ties, rest = (np.asarray(a) for a in jax.jit(logit_stats)(jnp.asarray(z)))
+    np.testing.assert_array_equal(am, np.asarray(jnp.argmax(jnp.asarray(z), axis=-1)))
+    for r in range(6):
+        row = z[r].astype(np.float64)
+        if np.isnan(row).any():
+            assert np.isnan(zmax[r]) and ties[r] == 0 and np.isnan(rest[r])
+            continue
+        m = row.max()
+        assert zmax[r] == m and ties[r] == (row == m).sum()
+        others = row[row != m]
+        want = np.exp(others - m).sum() if len(others) else 0.0
+        np.testing.assert_allclose(rest[r], want, rtol=1e-5, atol=0)
 
 
 # ------------------------------------------------------------------------------ greedy acceptance
@@ -194,7 +230,7 @@ def test_greedy_accept_every_length_and_cap():
     keys = jax.random.split(jax.random.key(0), B)
     rng = np.random.default_rng(0)
     q = rng.dirichlet(np.ones(V), (B, T - 1)).astype(np.float32)
-    for draft_q in (None, jnp.asarray(q)):
+    for draft_q in (None, _as_distribution(q)):
         a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
                                             draft_q, jnp.asarray(nv), jnp.zeros(B))
         a, bonus, emitted = np.asarray(a), np.asarray(bonus), np.asarray(emitted)
@@ -204,6 +240,11 @@ def test_greedy_accept_every_length_and_cap():
             assert bonus[b] == argmax[n], (m, l)
             np.testing.assert_array_equal(emitted[b], list(argmax[:n]) + [argmax[n]] + [-1] * (T - 1 - n))
         assert a.dtype == np.int32 and bonus.dtype == np.int32 and emitted.dtype == np.int32
+
+
+def _as_distribution(q):
+    """A DraftDistribution whose q is the given [..., V] probabilities (softmax of their logs)."""
+    return draft_distribution(jnp.log(jnp.asarray(q, jnp.float32)), 1.0)
 
 
 def test_sampling_accept_edges_and_per_request_keys():
@@ -219,7 +260,7 @@ def test_sampling_accept_edges_and_per_request_keys():
     q = np.full((B, T - 1, V), 1.0 / V, np.float32)
     keys = jax.random.split(jax.random.key(1), B)
     a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
-                               jnp.asarray(q), jnp.asarray(nv), jnp.ones(B))
+                               _as_distribution(q), jnp.asarray(nv), jnp.ones(B))
     np.testing.assert_array_equal(np.asarray(a), [3, 1, 0, 1, 2, 0])
     np.testing.assert_array_equal(np.asarray(bonus), [5] * B)
     assert np.asarray(emitted)[1].tolist() == [5, 5, -1, -1]
@@ -230,14 +271,17 @@ def test_sampling_accept_edges_and_per_request_keys():
     drafts = ids[:, :-1, 0]
     q = rng.dirichlet(np.ones(V), (B, T - 1)).astype(np.float32)
     nv = np.array([3, 2, 3, 1, 0, 3], np.int32)
-    full = _accept(keys, *map(jnp.asarray, (probs, ids, drafts, q, nv)), jnp.full(B, 0.9))
+    dist = _as_distribution(q)
+    full = _accept(keys, *map(jnp.asarray, (probs, ids, drafts)), dist, jnp.asarray(nv), jnp.full(B, 0.9))
     sub = np.array([4, 1, 5])
-    part = _accept(keys[sub], *(jnp.asarray(x[sub]) for x in (probs, ids, drafts, q, nv)), jnp.full(3, 0.9))
+    part = _accept(keys[sub], *(jnp.asarray(x[sub]) for x in (probs, ids, drafts)),
+                   jax.tree_util.tree_map(lambda a: a[sub], dist), jnp.asarray(nv[sub]), jnp.full(3, 0.9))
     for f, p in zip(full, part):
         np.testing.assert_array_equal(np.asarray(f)[sub], np.asarray(p))
     # vmappable: two halves of the batch under vmap give the same result
-    halves = jax.vmap(accept)(keys.reshape(2, 3), *(jnp.asarray(x).reshape((2, 3) + x.shape[1:])
-                                                    for x in (probs, ids, drafts, q, nv)), jnp.full((2, 3), 0.9))
+    halve = lambda a: jnp.asarray(a).reshape((2, 3) + a.shape[1:])
+    halves = jax.vmap(accept)(keys.reshape(2, 3), *map(halve, (probs, ids, drafts)),
+                              jax.tree_util.tree_map(halve, dist), halve(nv), jnp.full((2, 3), 0.9))
     for f, h in zip(full, halves):
         np.testing.assert_array_equal(np.asarray(f), np.asarray(h).reshape(np.asarray(f).shape))
 
@@ -295,7 +339,7 @@ def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, wrong, *, max
         step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step), T + 1))(keys)
         _, (drafts, qs) = jax.lax.scan(draft_step, anchor, jnp.swapaxes(step_keys[:, :T - 1], 0, 1))
         drafts = drafts.T                                               # [N, T-1]
-        q = None if greedy_draft else jnp.swapaxes(qs, 0, 1)            # [N, T-1, V]
+        q = None if greedy_draft else jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), qs)  # rows [N, T-1]
         window = jnp.concatenate([anchor[:, None], drafts], 1)          # row t conditions on token t
         probs, ids = target_distribution(target_tab[window], params, max_top_k)
         random_nv = jax.vmap(lambda k: jax.random.randint(k, (), 0, T))(step_keys[:, T - 1])

@@ -7,6 +7,11 @@ token id) pairs per row, sorted by probability descending, zeros beyond the row'
 vocabulary size is ever built from the logits but the top-k itself. Temperature 0 is greedy: a
 one-hot on the argmax (lowest id on ties).
 
+Draft distribution: q = softmax(draft logits / T) is kept as the logits and per-row statistics
+(`DraftDistribution`: argmax, max, tie count, the exp-sum of the rest), two passes over the logits
+that also give the estimator's feature; the draw is a Gumbel-max over the scaled logits and
+acceptance reads q only at the drafted and the target's top-k ids.
+
 Acceptance (DESIGN sections 7, 8): window row t of a verify holds the target distribution after
 [anchor, d_1..d_t]; draft d_{t+1} is judged by row t. Request r verifies its first
 ℓ_r = num_verify[r] drafts; greedy rows accept while the draft equals the target argmax, sampling
@@ -87,8 +92,9 @@ def top_k(logits, k, *, impl="auto"):
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
     The Pallas kernels cover float32 / bfloat16 with k <= 64: the one-read lane-buffer kernel
-    (pallas/topk_lanes.py) once its GPU tests passed (impl="pallas": always), else the chunked one
-    (pallas/topk.py).
+    (pallas/topk_lanes.py, GPU-validated; a call whose lane buffers overflow in more than 1/8 of its
+    segments is redone by the chunked kernel, pallas/topk.py, which impl="auto" also takes where the
+    lane kernel does not apply).
     """
     if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
         if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):
@@ -144,33 +150,89 @@ def target_distribution(logits, params, max_top_k, *, impl="auto"):
 
 # ------------------------------------------------------------------------------ draft side
 
+def scaled_logits(logits, temperature):
+    """z = logits / T in float32 [..., vocab]; temperature of a shape that prefixes the row dims (or a
+    scalar); rows with T <= 0 (greedy) use T = 1."""
+    t = _per_row(jnp.asarray(temperature, jnp.float32), logits.shape[:-1])
+    return logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[..., None]
+
+
+def logit_stats(z):
+    """Row statistics of softmax(z) in two passes over z [..., vocab] float32 (an argmax, then one
+    exp-sum that XLA fuses with the tie count):
+    -> argmax [...] int32 (lowest id on ties, the first NaN if any), zmax [...] = z[argmax],
+       ties [...] = #{i : z_i == zmax} float32, rest [...] = sum_{i : z_i != zmax} e^{z_i - zmax}.
+    Then logsumexp(z) = zmax + log(rest + ties) and logit(q_max) = -log(rest + (ties - 1)), the
+    latter without the cancellation of 1 - q_max when q_max rounds to 1. A row holding a NaN gets
+    zmax NaN, ties 0, rest NaN; an all -inf row zmax -inf, ties = vocab, rest 0."""
+    argmax = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    zmax = jnp.take_along_axis(z, argmax[..., None], axis=-1)
+    is_max = z == zmax
+    ties = jnp.sum(is_max, axis=-1).astype(jnp.float32)
+    rest = jnp.sum(jnp.where(is_max, 0.0, jnp.exp(z - zmax)), axis=-1)
+    return argmax, zmax[..., 0], ties, rest
+
+
+@struct.dataclass
+class DraftDistribution:
+    """The distribution each draft row is drawn from, q = softmax(logits / T), kept as the logits
+    and per-row statistics: nothing of vocabulary size is built (a [B, T-1, vocab] float32 q at batch
+    128 x 7 x 248,320 would be 890 MB written and read back in every sampled step).
+
+    logits      [..., vocab] the draft logits as given (any float dtype)
+    temperature [...] float32 per row; T <= 0: greedy, q = one-hot on the argmax
+    argmax, zmax, ties, rest [...]: `logit_stats` of z = logits / T (T <= 0 rows: T = 1)
+    """
+    logits: jnp.ndarray
+    temperature: jnp.ndarray
+    argmax: jnp.ndarray
+    zmax: jnp.ndarray
+    ties: jnp.ndarray
+    rest: jnp.ndarray
+
+    @property
+    def lse(self):
+        """logsumexp of z per row [...]."""
+        return self.zmax + jnp.log(self.rest + self.ties)
+
+    def scaled(self):
+        return scaled_logits(self.logits, self.temperature)
+
+    def prob_at(self, ids):
+        """q at token ids [..., n] int32 (clipped to the vocabulary) -> [..., n] float32."""
+        ids = jnp.clip(ids, 0, self.logits.shape[-1] - 1)
+        z = jnp.take_along_axis(self.logits, ids, axis=-1).astype(jnp.float32)
+        t = self.temperature[..., None]
+        soft = jnp.exp(z / jnp.where(t > 0, t, 1.0) - self.lse[..., None])
+        return jnp.where(t > 0, soft, (ids == self.argmax[..., None]).astype(jnp.float32))
+
+
 def draft_distribution(draft_logits, temperature):
-    """q = softmax(draft_logits / temperature) over the full vocabulary.
+    """q = softmax(draft_logits / temperature) over the full vocabulary, as a `DraftDistribution`.
 
     draft_logits [..., vocab] (any float dtype); temperature f32 of a shape that prefixes the row
-    dims (e.g. [B] for [B, T-1, vocab]), or a scalar. -> q [..., vocab] float32.
-    Greedy rows (temperature <= 0): one-hot on the argmax (lowest id on ties).
+    dims (e.g. [B] for [B, T-1, vocab]), or a scalar. Greedy rows (temperature <= 0): one-hot on the
+    argmax (lowest id on ties). `prob_at(ids)` gives q at token ids; `sample_draft` draws from it.
     """
-    lead, vocab = draft_logits.shape[:-1], draft_logits.shape[-1]
-    t = _per_row(jnp.asarray(temperature, jnp.float32), lead)[..., None]
-    x = draft_logits.astype(jnp.float32)
-    soft = jax.nn.softmax(x / jnp.where(t > 0, t, 1.0), axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(x, axis=-1), vocab, dtype=jnp.float32)
-    return jnp.where(t > 0, soft, hard)
+    lead = draft_logits.shape[:-1]
+    t = _per_row(jnp.asarray(temperature, jnp.float32), lead)
+    return DraftDistribution(draft_logits, t, *logit_stats(scaled_logits(draft_logits, t)))
 
 
-def sample_draft(key, q):
+def sample_draft(key, q: DraftDistribution):
     """Draw one token per row of q.
 
     key: one PRNG key (typed key or raw uint32 [2]) for the whole q, or a batch of keys whose batch
-    shape prefixes q's rows (e.g. keys [B] for q [B, T-1, vocab]: one key per request, so a request's
-    draws do not depend on its batch). q [..., vocab] float32 probabilities.
-    -> tokens [...] int32. Zero-probability tokens are never drawn.
+    shape prefixes q's rows (e.g. keys [B] for q of [B, T-1, vocab] logits: one key per request, so
+    a request's draws do not depend on its batch). -> tokens [...] int32: a Gumbel-max draw over
+    z = logits / T (the same draw as over log q, which differs from z by a constant a row; one read
+    of the logits), the argmax on greedy rows. Zero-probability (-inf logit) tokens are never drawn.
     """
     key_shape = key.shape if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
     if key_shape:
         return jax.vmap(sample_draft)(key, q)
-    return jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, q.scaled(), axis=-1).astype(jnp.int32)
+    return jnp.where(q.temperature > 0, drawn, q.argmax)
 
 
 # ------------------------------------------------------------------------------ acceptance
@@ -218,7 +280,7 @@ def accept(keys, target_probs, target_ids, draft_tokens, draft_q, num_verify, te
     target_probs  [B, T, K] float32  from target_distribution; row t = after [anchor, d_1..d_t]
     target_ids    [B, T, K] int32
     draft_tokens  [B, T-1] int32     d_1..d_{T-1}
-    draft_q       [B, T-1, vocab] float32, the distribution each draft was drawn from; None for
+    draft_q       the DraftDistribution (rows [B, T-1]) each draft was drawn from; None for
                   deterministic (greedy) drafts, i.e. q = one-hot on the draft token
     num_verify    [B] int32          drafts actually verified, ℓ in 0..T-1 (clipped to it)
     temperature   [B] float32 (or a scalar)   <= 0 = greedy rule, > 0 = rejection sampling
@@ -243,10 +305,8 @@ def accept(keys, target_probs, target_ids, draft_tokens, draft_q, num_verify, te
         q_at_draft = jnp.ones((b, t_len - 1), jnp.float32)
         q_at_ids = (target_ids[:, :-1] == drafts[..., None]).astype(jnp.float32)
     else:
-        dq = draft_q.astype(jnp.float32)
-        vocab = dq.shape[-1]
-        q_at_draft = jnp.take_along_axis(dq, jnp.clip(drafts, 0, vocab - 1)[..., None], axis=-1)[..., 0]
-        q_at_ids = jnp.take_along_axis(dq, target_ids[:, :-1], axis=-1)
+        q_at_draft = draft_q.prob_at(drafts[..., None])[..., 0]
+        q_at_ids = draft_q.prob_at(target_ids[:, :-1])
     return jax.vmap(_accept_one)(keys, target_probs.astype(jnp.float32), target_ids.astype(jnp.int32),
                                  drafts, q_at_draft, q_at_ids, num_verify,
                                  jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)))

@@ -24,7 +24,8 @@ any segment is flagged) redoes flagged segments exactly: a bisection over the se
 For i.i.d. logits a lane of a 1024-lane, 32768-column segment (32 keys a lane) holds `keep` = 6 of
 its top 128 with probability about C(128, 6) / 1024^5 = 5e-6 a segment: the fixup is for
 adversarial rows (e.g. logits periodic in the column with the lane count's period), where it is
-slow but exact.
+slow but exact. When more than `fallback_share` of a call's segments are flagged, the chunked
+kernel (topk.py) redoes the whole call instead (one lax.switch on the flag count).
 
 float32: the packed key keeps the high half of the 32-bit key only, so the buffers' top-k is the
 top-k by that half (ties broken by offset), not by value. The true k-th largest value's high half is
@@ -56,12 +57,10 @@ from jaxspec.pallas.tiles import is_pow2, next_pow2
 # bfloat16 path matched lax.top_k bit for bit at 1024 and 4096 x 248,320 (Gaussian, tied, clustered,
 # 99 % -inf rows, fixup included); 2026-12-02 every case of test_top_k_lanes_gpu (both dtypes, five
 # shapes from 5 x 40 to 256 x 248,320, Gaussian / ties / -inf / special values / masked rows, k 1,
-# 20, 64) and three of the four config cases (forced fixups, the float32 band's fixup) passed.
+# 20, 64) and all four config cases (forced fixups, the float32 band's fixup) passed.
 GPU_VALIDATED = True
 MAX_SEGMENT = 32768         # 0xFFFF - offset stays >= 0x8000: no packed key reaches SENTINEL / INT_MIN
 _TARGET_PROGRAMS = 4 * 132  # about four programs per H200 SM
-MAX_FLOAT_STEPS = 128       # float keys carry the step index of a segment in 7 bits
-_FLOAT_BIAS = 0xC00000      # float key bits = (high half << 7) + _FLOAT_BIAS + (127 - step): 0x800000..0xFFFFFF
 _I32 = jnp.int32
 
 
@@ -86,10 +85,12 @@ class LanesConfig:
     unroll: steps loaded together before their insertions (1..16): one step of 1024 lanes is 2 KB a
       program, too little in flight to cover the DRAM latency (the first H200 run, unroll 1: stage 1
       4.8x the read floor at 1024 x 248,320 for ~1.2x worth of instructions).
-    float_keys: run the insertion on float32 keys (`_float_keys`): FMNMX issues on the H200's 128
-      FP32 lanes an SM where IMNMX has 64 INT32 ones, and stage 1 with both dtypes measured the same
-      (~450 us at 1024 x 248,320), the int pipe's time, not the read's. Needs segment / lanes <= 128
-      steps (the step index rides in 7 bits); None: the segment is cut to 128 * lanes if longer.
+    fallback_share: above this share of a call's segments flagged, the chunked kernel (topk.py)
+      redoes the whole call instead of the fixup (0.0: on any flag; 1.0: never). The fixup's ~33
+      serial passes cost about one stage 1 per wave of flagged segments, the chunked kernel ~2.5
+      stage 1s: float32 rows of integer ties flag every segment (a band of exact ties wider than
+      the slots), 8898 us through the fixup against 1283 us for the chunked kernel at
+      1024 x 248,320, k 64 (H200, 2026-12-02).
     """
     lanes: int = 512
     keep: int = 6
@@ -97,7 +98,7 @@ class LanesConfig:
     num_warps: int = 4
     unroll: int = 8
     slots: int | None = None
-    float_keys: bool = False
+    fallback_share: float = 0.125
 
     def __post_init__(self):
         if not (is_pow2(self.lanes) and 32 <= self.lanes <= 8192):
@@ -113,11 +114,9 @@ class LanesConfig:
             raise ValueError(f"LanesConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
         if self.slots is not None and not (is_pow2(self.slots) and 16 <= self.slots <= 1024):
             raise ValueError(f"LanesConfig.slots={self.slots!r}: must be a power of two in [16, 1024]")
-        if not isinstance(self.float_keys, bool):
-            raise ValueError(f"LanesConfig.float_keys={self.float_keys!r}: must be a bool")
-        if self.float_keys and self.segment is not None and self.segment > MAX_FLOAT_STEPS * self.lanes:
-            raise ValueError(f"LanesConfig.segment={self.segment}: float_keys needs segment / lanes <= "
-                             f"{MAX_FLOAT_STEPS} (lanes={self.lanes})")
+        share = self.fallback_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"LanesConfig.fallback_share={share!r}: must be a number in [0, 1]")
 
     def resolve(self, rows: int, vocab: int, k: int, dtype=jnp.bfloat16) -> dict:
         """The launch plan: segment, lanes, num_segments, slots, groups."""
@@ -126,8 +125,6 @@ class LanesConfig:
             segment = MAX_SEGMENT
             while segment > 2 * self.lanes and rows * pl.cdiv(vocab, segment) < _TARGET_PROGRAMS:
                 segment //= 2
-        if self.float_keys:
-            segment = min(segment, MAX_FLOAT_STEPS * self.lanes)
         segment = min(segment, max(32, next_pow2(vocab)))
         lanes = min(self.lanes, segment)
         band = jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16)
@@ -137,7 +134,7 @@ class LanesConfig:
                              f"for {jnp.dtype(dtype).name}")
         return dict(segment=segment, lanes=lanes, keep=self.keep, num_segments=pl.cdiv(vocab, segment),
                     slots=slots, band=band, select_slots=slots // 2 if band else slots, groups=min(128, lanes),
-                    num_warps=self.num_warps, unroll=self.unroll, float_keys=self.float_keys)
+                    num_warps=self.num_warps, unroll=self.unroll, fallback_share=float(self.fallback_share))
 
 
 def supports(logits, k) -> bool:
@@ -164,58 +161,39 @@ def _pack(full, offset):
     return (full & _I32(tk._HIGH_HALF)) | (_I32(0xFFFF) - offset)
 
 
-def _packed_keys(x, step, offset):
+def _packed_keys(x, offset):
     return _pack(_full_keys(x), offset)
 
 
-def _packed_and_full(x, step, offset):
+def _packed_and_full(x, offset):
     """Both keys of the fixup's compacting pass, the sort key computed once."""
     full = _full_keys(x)
     return _pack(full, offset), full
-
-
-def _float_keys(x, step, offset):
-    """Logits -> float32 keys ordered as the packed keys of one lane (whose offsets are
-    step * lanes + lane): the bits (high half of the sort key << 7) + _FLOAT_BIAS + (127 - step),
-    positive normal floats (0x800000..0xFFFFFF), so FMNMX orders them as their bits; 0.0 is empty.
-    The high half ignores KEY_FLOOR's clamp (the floor shares the smallest keys' high half)."""
-    bits = ((tk.sort_key(x) >> 16) << 7) + (_I32(_FLOAT_BIAS + MAX_FLOAT_STEPS - 1) - step)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _unfloat(key, lane, lanes):
-    """Float keys of `_float_keys` [lanes] -> the packed keys of `_pack`; 0.0 (empty) -> SENTINEL."""
-    d = lax.bitcast_convert_type(key, jnp.int32) - _I32(_FLOAT_BIAS)
-    offset = (_I32(MAX_FLOAT_STEPS - 1) - (d & _I32(MAX_FLOAT_STEPS - 1))) * lanes + lane
-    packed = ((d >> 7) << 16) | (_I32(0xFFFF) - offset)
-    return jnp.where(key > 0, packed, _I32(tk.SENTINEL))
 
 
 def _segment_span(s, vocab, segment):
     return jnp.minimum(_I32(vocab) - s * segment, _I32(segment))
 
 
-def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked, keys, empty):
-    """keys(x, i, offset) of step i of segment s (a key or a tuple of keys; `empty` past the
-    segment's span when masked)."""
+def _load_keys(x_ref, r, s, i, lane, *, segment, lanes, span, masked, keys=_packed_keys):
+    """keys(x, offset) of step i of segment s (a key or a tuple of keys; SENTINEL past the segment's
+    span when masked)."""
     offset = i * lanes + lane
     start = s * segment + i * lanes
     if masked:
         inb = offset < span
         x = plgpu.load(x_ref.at[r, pl.ds(start, lanes)], mask=inb, other=0)
-        return jax.tree.map(lambda key: jnp.where(inb, key, jnp.asarray(empty, key.dtype)), keys(x, i, offset))
-    return keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), i, offset)
+        return jax.tree.map(lambda key: jnp.where(inb, key, _I32(tk.SENTINEL)), keys(x, offset))
+    return keys(plgpu.load(x_ref.at[r, pl.ds(start, lanes)]), offset)
 
 
-def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll, keys=_packed_keys,
-                  empty=tk.SENTINEL):
-    """fori over segment s's steps, carry = body(keys(x, step, offset) [lanes], carry) a step: blocks of
+def _scan_segment(x_ref, r, s, body, init, *, vocab, segment, lanes, unroll, keys=_packed_keys):
+    """fori over segment s's steps, carry = body(keys(x, offset) [lanes], carry) a step: blocks of
     `unroll` full steps (all loads issued before the first body), then the remaining full steps,
     then the partial tail step masked. Steps, and lanes inside a step, go in column order."""
     span = _segment_span(s, vocab, segment)
     lane = jnp.arange(lanes, dtype=jnp.int32)
-    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span, keys=keys,
-                             empty=empty)
+    load = functools.partial(_load_keys, x_ref, r, s, lane=lane, segment=segment, lanes=lanes, span=span, keys=keys)
     n_full = span // lanes
     n_blocks = n_full // unroll
 
@@ -252,20 +230,14 @@ def _fill(key_ref, r, s, n, *, slots):
     plgpu.store(key_ref.at[r, s, pl.ds(0, slots)], jnp.full((slots,), tk.SENTINEL, jnp.int32), mask=empty)
 
 
-def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups, band, select_slots,
-                   float_keys):
+def _stage1_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots, groups, band, select_slots):
     """One (row, segment): candidates (the top-k of the lanes' buffers; band: every buffered key in
     the high-half band of that top-k's smallest or above) and the overflow flag."""
     key_ref, flag_ref = refs[-2:]
     r, s = pl.program_id(0), pl.program_id(1)
-    scan = functools.partial(_scan_segment, x_ref, r, s, _insert, vocab=vocab, segment=segment, lanes=lanes,
-                             unroll=unroll)
-    if float_keys:
-        bufs = scan((jnp.zeros((lanes,), jnp.float32),) * keep, keys=_float_keys, empty=0.0)
-        lane = jnp.arange(lanes, dtype=jnp.int32)
-        bufs = tuple(_unfloat(b, lane, lanes) for b in bufs)
-    else:
-        bufs = scan((jnp.full((lanes,), tk.SENTINEL, jnp.int32),) * keep)
+    empty = jnp.full((lanes,), tk.SENTINEL, jnp.int32)
+    bufs = _scan_segment(x_ref, r, s, _insert, (empty,) * keep, vocab=vocab, segment=segment, lanes=lanes,
+                         unroll=unroll)
     # bufs[0] holds each lane's maximum: the k-th largest of the groups' maxima starts the threshold.
     gmax = jnp.max(bufs[0].reshape(groups, lanes // groups), axis=1)                 # [G]
     cnt = jnp.sum((gmax[None, :] >= gmax[:, None]).astype(jnp.int32), axis=1)
@@ -302,7 +274,7 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
         def count(t, strict=False):
             above = (lambda key: key > t) if strict else (lambda key: key >= t)
             return scan(lambda key, n: n + jnp.sum(above(key).astype(jnp.int32)), _I32(0),
-                        keys=lambda x, step, offset: _full_keys(x))
+                        keys=lambda x, offset: _full_keys(x))
 
         def body(i, lohi):        # invariant: count(lo) >= want > count(hi + 1)
             lo, hi = lohi
@@ -325,42 +297,55 @@ def _fixup_kernel(x_ref, flag_ref, *refs, vocab, k, segment, lanes, unroll, slot
         _fill(key_ref, r, s, n, slots=slots)
 
 
+def _geometry(x, k, plan):
+    return dict(vocab=x.shape[1], k=k, segment=plan["segment"], lanes=plan["lanes"], unroll=plan["unroll"],
+                slots=plan["slots"])
+
+
+def _params(plan):
+    return plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
+
+
+def _stage1(x, k, plan, *, interpret, poison_outputs):
+    """-> (packed keys [rows, num_segments, slots], flags [rows, num_segments]) before the fixup."""
+    rows, nseg = x.shape[0], plan["num_segments"]
+    out_shape, extra, aliases = tk._outputs([((rows, nseg, plan["slots"]), jnp.int32)], poison_outputs, 1)
+    return pl.pallas_call(
+        functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], band=plan["band"],
+                          select_slots=plan["select_slots"], **_geometry(x, k, plan)),
+        out_shape=out_shape + (jax.ShapeDtypeStruct((rows, nseg), jnp.int32),),
+        out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
+        grid=(rows, nseg),
+        input_output_aliases=aliases,
+        compiler_params=_params(plan),
+        interpret=interpret,
+        name="topk_lanes_stage1",
+    )(x, *extra)
+
+
+def _fixup(x, flags, keys, k, plan, *, interpret):
+    """Flagged segments' candidates redone exactly (keys aliased: the others are kept)."""
+    return pl.pallas_call(
+        functools.partial(_fixup_kernel, **_geometry(x, k, plan)),
+        out_shape=jax.ShapeDtypeStruct(keys.shape, jnp.int32),
+        in_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s)), pl.no_block_spec),
+        out_specs=pl.no_block_spec,
+        grid=flags.shape,
+        input_output_aliases={2: 0},
+        compiler_params=_params(plan),
+        interpret=interpret,
+        name="topk_lanes_fixup",
+    )(x, flags, keys)
+
+
 def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     """x [rows, vocab] bf16 / f32 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
     num_segments] int32): each segment's first slots hold k..slots of its keys, its top
     min(k, span) among them (a flagged segment: exactly those, redone by the fixup), SENTINEL after.
     float32: the packed keys order by their high half only; `order_candidates` sorts by value."""
-    rows, vocab = x.shape
-    nseg, slots = plan["num_segments"], plan["slots"]
-    geometry = dict(vocab=vocab, k=k, segment=plan["segment"], lanes=plan["lanes"], unroll=plan["unroll"], slots=slots)
-    out_shape, extra, aliases = tk._outputs([((rows, nseg, slots), jnp.int32)], poison_outputs, 1)
-    params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
-    keys, flags = pl.pallas_call(
-        functools.partial(_stage1_kernel, keep=plan["keep"], groups=plan["groups"], band=plan["band"],
-                          select_slots=plan["select_slots"], float_keys=plan["float_keys"], **geometry),
-        out_shape=out_shape + (jax.ShapeDtypeStruct((rows, nseg), jnp.int32),),
-        out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
-        grid=(rows, nseg),
-        input_output_aliases=aliases,
-        compiler_params=params,
-        interpret=interpret,
-        name="topk_lanes_stage1",
-    )(x, *extra)
-
-    def fixup(keys):
-        return pl.pallas_call(
-            functools.partial(_fixup_kernel, **geometry),
-            out_shape=jax.ShapeDtypeStruct(keys.shape, jnp.int32),
-            in_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s)), pl.no_block_spec),
-            out_specs=pl.no_block_spec,
-            grid=(rows, nseg),
-            input_output_aliases={2: 0},
-            compiler_params=params,
-            interpret=interpret,
-            name="topk_lanes_fixup",
-        )(x, flags, keys)
-
-    keys = lax.cond(jnp.any(flags != 0), fixup, lambda keys: keys, keys)
+    keys, flags = _stage1(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
+    keys = lax.cond(jnp.any(flags != 0), lambda keys: _fixup(x, flags, keys, k, plan, interpret=interpret),
+                    lambda keys: keys, keys)
     return keys, flags
 
 
@@ -384,7 +369,8 @@ def top_k(logits, k, *, config: LanesConfig | None = None, interpret: bool | Non
 
     logits [..., vocab] bfloat16 / float32; k static, 1 <= k <= min(64, vocab).
     -> (values [..., k] logits.dtype, indices [..., k] int32), descending, ties: lower index first.
-    candidates_out: also return (packed keys [rows, nseg, slots], overflow flags [rows, nseg]).
+    candidates_out: also return (packed keys [rows, nseg, slots], overflow flags [rows, nseg]): the
+      candidates after the fixup, or stage 1's when the chunked kernel took the call (flags show it).
     poison_outputs: stage 1 writes into an INT_MIN-filled buffer (tests: unwritten slots show).
     """
     if not supports(logits, k):
@@ -396,7 +382,16 @@ def top_k(logits, k, *, config: LanesConfig | None = None, interpret: bool | Non
     rows, vocab = tk._rows_vocab(logits)
     x = logits.reshape(rows, vocab)
     plan = (config or LanesConfig()).resolve(rows, vocab, k, logits.dtype)
-    keys, flags = top_k_candidates(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
-    vals, idx = order_candidates(x, keys, k, plan["segment"])
+    keys, flags = _stage1(x, k, plan, interpret=interpret, poison_outputs=poison_outputs)
+    flagged = jnp.sum(flags != 0)
+    path = jnp.where(flagged == 0, 0, jnp.where(flagged > plan["fallback_share"] * flags.size, 2, 1))
+
+    def lanes(keys):
+        return order_candidates(x, keys, k, plan["segment"]) + (keys,)
+
+    vals, idx, keys = lax.switch(path, [
+        lanes,
+        lambda keys: lanes(_fixup(x, flags, keys, k, plan, interpret=interpret)),
+        lambda keys: tk.top_k(x, k, interpret=interpret) + (keys,)], keys)
     out = vals.reshape(*lead, k), idx.reshape(*lead, k)
     return out + (keys, flags) if candidates_out else out

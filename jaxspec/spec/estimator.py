@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.ops import sampling
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import features as pallas_features
 from jaxspec.pallas import observe as pallas_observe
@@ -150,13 +151,20 @@ def _scaled_logits(draft_logits, temperature):
 
 def _feature_logits(draft_logits, temperature):
     """The jnp form of `features` before the clamp (two passes over the logits)."""
-    z = _scaled_logits(draft_logits, temperature)
-    zmax = jnp.max(z, axis=-1, keepdims=True)
-    is_max = z == zmax
-    ties = jnp.sum(is_max, axis=-1).astype(jnp.float32)
-    # all -inf rows: z - zmax is nan, but every entry is a "maximum" and is selected away
-    rest = jnp.sum(jnp.where(is_max, 0.0, jnp.exp(z - zmax)), axis=-1) + (ties - 1.0)
-    return -jnp.log(rest)
+    _, _, ties, rest = sampling.logit_stats(_scaled_logits(draft_logits, temperature))
+    return _logit_q_max(ties, rest)
+
+
+def _logit_q_max(ties, rest):
+    # (ties - 1) first: with a unique maximum rest stays exact (1 + rest - 1 would cancel)
+    return -jnp.log(rest + (ties - 1.0))
+
+
+def distribution_features(q: sampling.DraftDistribution) -> jax.Array:
+    """`features` of a step's `sampling.DraftDistribution` (the engine's draft side): the same
+    statistics, so the feature costs no pass over the logits of its own. -> [..., P] float32,
+    clamped to +-40 (the jnp form: `features(impl="pallas")` reads the logits again)."""
+    return jnp.clip(_logit_q_max(q.ties, q.rest), -FEATURE_CLAMP, FEATURE_CLAMP)
 
 
 # -------------------------------------------------------------------------- predict/observe
