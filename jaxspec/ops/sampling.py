@@ -201,10 +201,9 @@ class DraftDistribution:
     def prob_at(self, ids):
         """q at token ids [..., n] int32 (clipped to the vocabulary) -> [..., n] float32."""
         ids = jnp.clip(ids, 0, self.logits.shape[-1] - 1)
-        z = jnp.take_along_axis(self.logits, ids, axis=-1).astype(jnp.float32)
-        t = self.temperature[..., None]
-        soft = jnp.exp(z / jnp.where(t > 0, t, 1.0) - self.lse[..., None])
-        return jnp.where(t > 0, soft, (ids == self.argmax[..., None]).astype(jnp.float32))
+        z = scaled_logits(jnp.take_along_axis(self.logits, ids, axis=-1), self.temperature)
+        soft = jnp.exp(z - self.lse[..., None])
+        return jnp.where(self.temperature[..., None] > 0, soft, (ids == self.argmax[..., None]).astype(jnp.float32))
 
 
 def draft_distribution(draft_logits, temperature):

@@ -143,10 +143,10 @@ def features(draft_logits: jax.Array, temperature, *, impl: str = "auto") -> jax
 
 
 def _scaled_logits(draft_logits, temperature):
-    """z = logits / T in float32 [..., P, V]; rows with T <= 0 (greedy) use T = 1."""
-    t = jnp.asarray(temperature, jnp.float32)
-    t = jnp.where(t > 0, t, 1.0)
-    return jnp.asarray(draft_logits).astype(jnp.float32) / t.reshape(t.shape + (1, 1))
+    """z = logits / T in float32 [..., P, V], T broadcast to [...]; rows with T <= 0 use T = 1."""
+    draft_logits = jnp.asarray(draft_logits)
+    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), draft_logits.shape[:-2])
+    return sampling.scaled_logits(draft_logits, t)
 
 
 def _feature_logits(draft_logits, temperature):
