@@ -15,8 +15,8 @@ the dispatch (~10-20 us) overlaps the previous call's GPU work. The inputs (1-4 
 than the 60 MB L2, so repeated calls on one buffer measure DRAM, not the cache.
 
 Also: adversarial inputs at 1024 rows, k = 64 (`--adversarial`, on by default): heavy ties (integer
-logits), a high block at the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf
-(masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection
+logits; and the same times 1 + 2^-10, which float32 holds but bfloat16 does not), a high block at
+the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf (masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection
 x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024
 rows.
 
@@ -175,8 +175,8 @@ def main(args):
                              f"| {fmt(r['kernel_us'])} "
                              f"| {fmt(r['stage1_us'])} | {r['ok']} |")
         if lanes:
-            lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py): stage 1 alone includes the fixup "
-                      "when a segment is flagged; flags = segments flagged (fixup ran).", "",
+            lines += ["", "Lane-buffer top-k (pallas/topk_lanes.py): 'stage 1' = its kernel alone (the candidates, "
+                      "flagged segments' exact redo included); flags = segments flagged.", "",
                       "| rows | dtype | k | input | config (lanes/keep/segment/warps/unroll/slots) | kernel µs | stage 1 µs "
                       "| floor µs | × floor | flags | ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in lanes:
@@ -258,6 +258,7 @@ def main(args):
             col = jnp.arange(args.vocab)
             inputs = {
                 "ties (integers -3..3)": jnp.round(g * 1.5).clip(-3, 3),
+                "ties x (1 + 2^-10) (float32: not bf16-exact)": jnp.round(g * 1.5).clip(-3, 3) * (1 + 2**-10),
                 "high block per chunk (bisection)": g + jnp.where(col % chunk < 200, 8.0, 0.0)[None, :],
                 "99% -inf": jnp.where(jax.random.uniform(key, g.shape) < 0.99, -jnp.inf, g),
             }

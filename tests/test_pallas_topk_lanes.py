@@ -2,10 +2,9 @@
 jax.lax.top_k: interpret mode on the CPU, the real kernels on the GPU (-m gpu), the H200 Triton
 lowering on the CPU.
 
-Stage 1 writes into an INT_MIN-filled buffer (poison_outputs), so a candidate slot it fails to
+The kernel writes into an INT_MIN-filled buffer (poison_outputs), so a candidate slot it fails to
 write shows; values are compared bit for bit, indices exactly. Small `keep` / `lanes` configs
-force the overflow flag, so the exact fixup kernel runs too, and its result is checked."""
-import dataclasses
+force the overflow flag, so the exact redo of flagged segments runs too, and its result is checked."""
 import functools
 
 import jax
@@ -34,10 +33,8 @@ def run_checked(x, k, config=None, interpret=True, against_lax=True, dtype=jnp.b
     """top_k, checked against the oracle, and the candidates' contract: every slot written, each
     segment's real candidates first, all of them its keys (packed: the key's high half over 0xFFFF -
     offset), and its top min(k, span) logits (key descending, column ascending) among them.
-    The config's fallback_share becomes 1.0 (the fixup takes every flagged segment: its candidates
-    are checked); test_top_k_lanes_fallback covers the chunked kernel's path.
-    -> the number of flagged segments."""
-    config = dataclasses.replace(config or tl.LanesConfig(), fallback_share=1.0)
+    -> the number of flagged segments (those the exact redo wrote)."""
+    config = config or tl.LanesConfig()
     x = jnp.asarray(x, dtype)
     vals, idx, keys, flags = _jit_top_k(k, config, interpret)(x)
     check_top_k(x, k, vals, idx, against_lax=against_lax)
@@ -88,39 +85,43 @@ def test_top_k_lanes_interpret(rows, vocab, k, config, kind, dtype):
     run_checked(x, k, config, against_lax=kind != "special", dtype=dtype)
 
 
-@pytest.mark.parametrize("keep,lanes", [(1, 32), (2, 64), (3, 32)])
+MODES = [pytest.param(True, id="interpret"),
+         pytest.param(False, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("keep,lanes,flagged", [(1, 32, "all"), (2, 64, "all"), (4, 64, "some")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_top_k_lanes_fixup(keep, lanes, dtype):
-    """Few kept keys: lanes overflow, the fixup redoes their segments exactly."""
+def test_top_k_lanes_exact_redo(keep, lanes, flagged, dtype, interpret):
+    """Few kept keys: lanes overflow, the flagged segments are redone exactly in their program
+    ("some": flagged and unflagged programs in one call)."""
     rng = np.random.default_rng(keep * lanes)
     cfg = tl.LanesConfig(lanes=lanes, keep=keep, segment=512)
     x = gen_rows(rng, "gauss", 3, 2000, 64, dtype)
-    assert run_checked(x, 64, cfg, dtype=dtype) > 0, "no segment was flagged: the fixup did not run"
+    n = run_checked(x, 64, cfg, interpret=interpret, dtype=dtype)
+    assert (n == 12) if flagged == "all" else (0 < n < 12), f"{n} of 12 segments flagged, want {flagged}"
     x = gen_rows(rng, "ties", 3, 2000, 20, dtype)
-    run_checked(x, 20, cfg, dtype=dtype)
+    run_checked(x, 20, cfg, interpret=interpret, dtype=dtype)
 
 
-@pytest.mark.parametrize("share,path", [(0.0, "chunked"), (0.125, "chunked"), (1.0, "fixup")])
-def test_top_k_lanes_fallback(share, path):
-    """float32 rows of integer ties: a band of exact ties wider than the slots flags every segment;
-    above fallback_share the chunked kernel takes the call (stage 1's candidates come back unfixed),
-    else the fixup. Both give lax.top_k's result."""
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("scale,flags", [(1.5, "none"), (1.5 * (1 + 2**-10), "all")], ids=["bf16-exact", "not-bf16"])
+def test_top_k_lanes_float32_tie_rows(scale, flags, interpret):
+    """float32 rows of few distinct values, k 64 over wide bands of exact ties. Values bfloat16 holds
+    exactly (small integers) order by their packed keys: no segment is flagged. The same ties at
+    values with low halves set exceed the slots in every segment: all go to the exact redo. Both
+    give lax.top_k's result."""
     rng = np.random.default_rng(29)
-    x = jnp.asarray(np.clip(np.round(rng.standard_normal((3, 5000)) * 1.5), -3, 3), jnp.float32)
-    cfg = tl.LanesConfig(lanes=64, segment=1024, fallback_share=share)
-    vals, idx, keys, flags = _jit_top_k(64, cfg, True)(x)
-    check_top_k(x, 64, vals, idx)
-    flags = np.asarray(flags)
-    assert flags.all(), "every segment should be flagged"
-    fixed = run_checked(x, 64, cfg, dtype=jnp.float32)                 # the fixup's candidates
-    _, _, fixed_keys, _ = _jit_top_k(64, dataclasses.replace(cfg, fallback_share=1.0), True)(x)
-    same = np.array_equal(np.asarray(keys), np.asarray(fixed_keys))
-    assert fixed == flags.size and same == (path == "fixup")
+    x = np.clip(np.round(rng.standard_normal((3, 5000)) * 1.5), -3, 3).astype(np.float32) * np.float32(scale / 1.5)
+    assert (x.view(np.int32) & 0xFFFF == 0).all() == (flags == "none")
+    cfg = tl.LanesConfig(lanes=64, segment=1024)
+    n = run_checked(x, 64, cfg, interpret=interpret, dtype=jnp.float32)
+    assert n == (0 if flags == "none" else 3 * 5)
 
 
 def test_top_k_lanes_float32_band():
     """float32 logits that differ only below the high half of their keys: the whole band passes the
-    threshold (more than the slots: the fixup), and the order comes from the full values."""
+    threshold (more than the slots: the exact redo), and the order comes from the full values."""
     rng = np.random.default_rng(23)
     x = rng.standard_normal((3, 3000)).astype(np.float32)
     x[0, :] = 5.0 + rng.uniform(0, 1e-3, 3000).astype(np.float32)      # one band: ~2**13 values apart
@@ -161,8 +162,7 @@ def test_supports_config_and_plans():
         tl.top_k(jnp.zeros((4, 100), jnp.float16), 8)
     for field, bad in [("lanes", 16), ("lanes", 96), ("keep", 0), ("keep", 9), ("segment", 65536),
                        ("segment", 256), ("num_warps", 3), ("unroll", 0), ("unroll", 17),
-                       ("slots", 8), ("slots", 96), ("fallback_share", -0.1), ("fallback_share", 1.5),
-                       ("fallback_share", True)]:
+                       ("slots", 8), ("slots", 96)]:
         with pytest.raises(ValueError, match=field):
             tl.LanesConfig(**{field: bad})
     p = tl.LanesConfig().resolve(1024, 248320, 64)
@@ -186,7 +186,8 @@ def test_supports_config_and_plans():
 def test_top_k_lanes_lowers_for_h200(rows, vocab, k, dtype):
     text = lower_for_h200(lambda x: tl.top_k(x, k, interpret=False, poison_outputs=True),
                           jax.ShapeDtypeStruct((rows, vocab), dtype))
-    assert text.count("__gpu$xla.gpu.triton") == 4      # stage 1, the fixup, the chunked fallback's two
+    assert text.count("__gpu$xla.gpu.triton") == 1      # one kernel: the exact redo is inside it
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text   # no XLA conditional (lax.cond)
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -219,7 +220,7 @@ def test_top_k_lanes_gpu_configs(cfg):
     assert run_checked(x, 20, tl.LanesConfig(lanes=64, segment=8192), interpret=False) == 4
     x = np.random.default_rng(18).standard_normal((3, 3000)).astype(np.float32)
     x[0, :] = 5.0 + np.random.default_rng(19).uniform(0, 1e-3, 3000).astype(np.float32)
-    assert run_checked(x, 64, interpret=False, dtype=jnp.float32) > 0        # the float32 band: the fixup
+    assert run_checked(x, 64, interpret=False, dtype=jnp.float32) > 0        # the float32 band: the exact redo
 
 
 @gpu

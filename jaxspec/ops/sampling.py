@@ -92,9 +92,8 @@ def top_k(logits, k, *, impl="auto"):
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
     The Pallas kernels cover float32 / bfloat16 with k <= 64: the one-read lane-buffer kernel
-    (pallas/topk_lanes.py, GPU-validated; a call whose lane buffers overflow in more than 1/8 of its
-    segments is redone by the chunked kernel, pallas/topk.py, which impl="auto" also takes where the
-    lane kernel does not apply).
+    (pallas/topk_lanes.py, once GPU-validated: no XLA conditional) and the chunked kernel
+    (pallas/topk.py), which impl="auto" takes where the lane kernel does not apply.
     """
     if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
         if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):
