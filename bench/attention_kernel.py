@@ -111,16 +111,8 @@ def main(args):
         return us / per_call, out
 
     # ---- copy bandwidth, same run
-    nbw = (1 << 28) if on_gpu else (1 << 20)
-    big = jax.random.normal(jax.random.key(1), (nbw,), jnp.float32)
-    copies = {}
-    for name, f in (("jax x+1", jax.jit(lambda x: x + 1.0)), ("jax -x", jax.jit(lambda x: -x))):
-        us, _ = timed(f, big, reps=10, inner=3)
-        copies[name] = 2 * big.nbytes / (us * 1e-6)
-    if torch_bw := benchutil.read_torch_copy(args.out):
-        copies["torch copy"] = torch_bw
-    bw_src, bw = max(copies.items(), key=lambda kv: kv[1])
-    del big
+    copies = benchutil.copy_bandwidths(args.out)
+    bw_src, bw = benchutil.floor_bandwidth(copies)
     print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
           + f"; floors use {bw_src}", flush=True)
 

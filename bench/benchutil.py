@@ -1,6 +1,6 @@
 """Pieces every GPU benchmark script shares: the JAX process setup, one median timer, the JAX copy
-bandwidth, and the torch copy bandwidth (measured in its own process, since JAX preallocates GPU
-memory) written to and read back from DIR/copy_bw_torch.json."""
+bandwidth, the torch copy bandwidth (measured in its own process, since JAX preallocates GPU
+memory) written to and read back from DIR/copy_bw_torch.json, and the floor bandwidth of a run."""
 import json
 import os
 import statistics
@@ -88,3 +88,17 @@ def read_torch_copy(out_dir) -> float | None:
             return json.load(f)["TB_per_s"] * 1e12
     except OSError:
         return None
+
+
+def copy_bandwidths(out_dir) -> dict[str, float]:
+    """The copy bandwidths (bytes/s) of this run: the jitted `x + 1` pass (`jax_copy_bandwidth`) and,
+    when `torch_copy_bandwidth(out_dir)` ran first in its own process, the torch copy."""
+    copies = {"jax x+1": jax_copy_bandwidth()[0]}
+    if torch_bw := read_torch_copy(out_dir):
+        copies["torch copy"] = torch_bw
+    return copies
+
+
+def floor_bandwidth(copies: dict[str, float]) -> tuple[str, float]:
+    """(name, bytes/s) of the fastest copy: the floors divide by it (the strictest floor)."""
+    return max(copies.items(), key=lambda kv: kv[1])

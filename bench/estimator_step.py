@@ -100,10 +100,8 @@ def main(args):
         return benchutil.median_us(fn, *a, reps=reps or args.reps)[0]
 
     # ---- copy bandwidth, same run
-    copies = {"jax x+1": benchutil.jax_copy_bandwidth()[0]}
-    if torch_bw := benchutil.read_torch_copy(args.out):
-        copies["torch copy"] = torch_bw
-    bw_src, bw = max(copies.items(), key=lambda kv: kv[1])
+    copies = benchutil.copy_bandwidths(args.out)
+    bw_src, bw = benchutil.floor_bandwidth(copies)
     print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items()), flush=True)
 
     steps = args.steps
