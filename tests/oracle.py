@@ -155,3 +155,39 @@ def assert_close(got, expected, tol, name=""):
     scale = max(np.abs(expected).max(initial=0.0), 1e-30)
     err = np.abs(got - expected).max(initial=0.0) / scale
     assert err <= tol, f"{name}: max-abs error / max|expected| = {err:.3g} > {tol:g}"
+
+
+def check_verify_poison(args, clean, field, bad, fn, request, token):
+    """A non-finite value in one window token of one request stays inside it: GDN verify args
+    (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, ...) with
+    `field` of token `token` of request `request` set to `bad`, run by fn(*args) -> (o, ring_k,
+    ring_u (an array or a tuple), ring_g). Outputs of earlier tokens and of other requests, and
+    ring records of other slots and earlier tokens, equal `clean` (the same four, unpoisoned) bit
+    for bit; the request's records before the token stay finite."""
+    def as_np(out):
+        o, rk, ru, rg = out
+        ru = tuple(np.asarray(x) for x in ru) if isinstance(ru, (tuple, list)) else (np.asarray(ru),)
+        return np.asarray(o), np.asarray(rk), ru, np.asarray(rg)
+
+    i = "q k v g beta".split().index(field)
+    qsl, slots, write_pos = (np.asarray(x) for x in (args[10], args[11], args[9]))
+    row = qsl[request] + token
+    x = np.array(args[i])
+    x[row] = bad
+    o, rk, ru, rg = as_np(fn(*args[:i], x, *args[i + 1:]))
+    o0, rk0, ru0, rg0 = as_np(clean)
+    ok_rows = np.ones(len(o), bool)
+    ok_rows[row:qsl[request + 1]] = False
+    assert np.all(np.isfinite(o[ok_rows]))
+    np.testing.assert_array_equal(bits(o[ok_rows]), bits(o0[ok_rows]),
+                                  "outputs before the poisoned token / of other requests")
+    s = slots[request]
+    ok_pos = np.ones(rg.shape[::2], bool)                          # [slots, ring positions]
+    ok_pos[s, write_pos[s] + token:] = False
+    for new, old, name in ((rk, rk0, "ring_k"), *((a, b, "ring_u") for a, b in zip(ru, ru0)), (rg, rg0, "ring_g")):
+        sel = np.broadcast_to(ok_pos[:, None, :], new.shape[:3])
+        np.testing.assert_array_equal(bits(new)[sel], bits(old)[sel],
+                                      f"{name} records before the poisoned token / of other slots")
+    before = slice(write_pos[s], write_pos[s] + token)
+    for new, name in ((rk, "ring_k"), *((a, "ring_u") for a in ru), (rg, "ring_g")):
+        assert np.all(np.isfinite(new[s, :, before])), f"{name} records before the poisoned token"
