@@ -381,7 +381,7 @@ def top_k(logits, k, *, config: LanesConfig | None = None, interpret: bool | Non
     candidates_out: also return (packed keys [rows, nseg, slots], overflow flags [rows, nseg]): the
       candidates and which segments the exact redo wrote.
     poison_outputs: the candidates are written into an INT_MIN-filled buffer (tests: unwritten slots show).
-    Two launches, no XLA conditional: the kernel, then XLA's gather and sort of the candidates.
+    One Pallas launch and no XLA conditional; XLA then gathers and sorts the few candidates.
     """
     if not supports(logits, k):
         raise ValueError(f"top_k lanes kernel: unsupported logits {getattr(logits, 'shape', None)} "
