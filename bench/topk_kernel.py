@@ -16,9 +16,9 @@ than the 60 MB L2, so repeated calls on one buffer measure DRAM, not the cache.
 
 Also: adversarial inputs at 1024 rows, k = 64 (`--adversarial`, on by default): heavy ties (integer
 logits; and the same times 1 + 2^-10, which float32 holds but bfloat16 does not), a high block at
-the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf (masked vocabulary); and `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection
-x pack_bf16 (`--sweep-pack 1,0`: bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024
-rows.
+the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf (masked vocabulary); and
+`--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection x pack_bf16 (`--sweep-pack 1,0`:
+bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024 rows.
 
 Every row also times the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each `--lanes-configs`
 entry, on the Gaussian and the adversarial inputs.

@@ -86,7 +86,7 @@ def test_top_k_lanes_interpret(rows, vocab, k, config, kind, dtype):
 
 
 MODES = [pytest.param(True, id="interpret"),
-         pytest.param(False, id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")])]
+         pytest.param(False, id="gpu", marks=[pytest.mark.gpu, gpu])]
 
 
 @pytest.mark.parametrize("interpret", MODES)

@@ -19,8 +19,8 @@ it. The kernel then selects, from U, the keys >= t (the stage-1 selection of top
 largest of the groups' maxima, and bisection while more than `slots` remain: k <= #{U >= t} <=
 slots), and writes them, SENTINEL after them. If some lane's smallest kept key a_keep is >= t, a
 key it dropped could belong to the top-k: the segment is flagged, and the same program redoes it
-exactly instead: a bisection over the segment's keys (about 33 passes over its columns, from L2)
-to the k-th largest key, then one compacting pass. No XLA conditional and no second launch: on the
+exactly instead: a search over the segment's keys (one pass over its columns a step, from L2) to
+the k-th largest key, then one compacting pass. No XLA conditional and no second launch: on the
 H200 a conditional's predicate goes to the host, which waits for it, and the engine runs this in
 every sampled verify step. For i.i.d. logits a lane of a 1024-lane, 32768-column segment (32 keys
 a lane) holds `keep` = 6 of its top 128 with probability about C(128, 6) / 1024^5 = 5e-6 a
@@ -36,9 +36,10 @@ logits a few extra candidates. A segment whose float32 values all have zero low 
 bfloat16 holds exactly: upcast bf16 logits, small integers) orders exactly by its packed keys: the
 kernel ORs the bits it reads and then takes the bfloat16 selection (rows of integer ties used to
 flag every segment, a band of exact ties wider than the slots). The exact redo works on the full
-32-bit keys: a bisection to the k-th
-largest key t*, the count of keys > t*, then one pass in column order that writes those and the
-first ties at t* (lax.top_k's lower columns first).
+32-bit keys: a search to the k-th largest key t* that cuts its range at the midpoint and moves the
+kept end to the nearest existing key (few distinct values, e.g. ties, end in a few passes), the
+count of keys > t*, then one pass in column order that writes those and the first ties at t*
+(lax.top_k's lower columns first).
 
 The candidates, [rows, num_segments, slots] packed keys (segment and offset give the column), are
 few (8 x 64 a row at 248,320 x k = 64): XLA gathers their logits and sorts them by (key descending,
@@ -332,10 +333,6 @@ def _segment_kernel(x_ref, *refs, vocab, k, segment, lanes, unroll, keep, slots,
     flag_ref[...] = jnp.full((1, 1), overflow, jnp.int32)
 
 
-def _params(plan):
-    return plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1)
-
-
 def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
     """x [rows, vocab] bf16 / f32 -> (packed keys [rows, num_segments, slots] int32, flags [rows,
     num_segments] int32): each segment's first slots hold k..slots of its keys, its top
@@ -352,7 +349,7 @@ def top_k_candidates(x, k, plan, *, interpret, poison_outputs=False):
         out_specs=(pl.no_block_spec, pl.BlockSpec((1, 1), lambda r, s: (r, s))),
         grid=(rows, nseg),
         input_output_aliases=aliases,
-        compiler_params=_params(plan),
+        compiler_params=plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=1),
         interpret=interpret,
         name="topk_lanes",
     )(x, *extra)
