@@ -24,8 +24,8 @@ synchronised once, so the host's dispatch overlaps the GPU's work. Each kernel
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
-`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs]]) and `--sweep-shapes all`
-(or B:ctx,...) replace its configs and shapes.
+`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs
+[:rescale_threshold]]]) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes.
 
 Usage (GPU machine):
   python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
@@ -66,7 +66,8 @@ def parse(argv=None):
     ap.add_argument("--no-xla", action="store_true", help="skip the reference and dot_product_attention")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-configs", default=None,
-                    help="block_k:num_stages:num_warps[:min_split[:target_programs]],... (default: a fixed list)")
+                    help="block_k:num_stages:num_warps[:min_split[:target_programs[:rescale_threshold]]],... "
+                         "(default: a fixed list)")
     ap.add_argument("--sweep-shapes", default=None, help="'all' (the 12 shapes) or B:ctx,... (default: 3 shapes)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
@@ -77,7 +78,8 @@ def parse(argv=None):
     else:
         args.shape_list = DEFAULT_ORDER
     args.sweep_config_list = None if not args.sweep_configs else [
-        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs"), (int(v) for v in c.split(":"))))
+        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "rescale_threshold"),
+                 (int(v) for v in c.split(":"))))
         for c in args.sweep_configs.split(",")]
     args.sweep_shape_list = (None if not args.sweep_shapes else DEFAULT_ORDER if args.sweep_shapes == "all"
                              else [tuple(int(v) for v in s.split(":")) for s in args.sweep_shapes.split(",")])
