@@ -14,7 +14,7 @@ the output as the shape of the code (op mix, loop sizes, registers), and time on
 Usage:
   .venv/bin/python bench/kernel_sass.py --case topk_lanes --dtype bfloat16 --k 64 --out /tmp/sass
   .venv/bin/python bench/kernel_sass.py --case attention_verify --batch 1 --context 32768
-Writes DIR/<kernel>.{ttir,ptx,cubin,sass}.
+Writes DIR/<kernel>.{in.ttir,ttir,ptx,cubin,sass} (in.ttir: as Pallas lowered it).
 """
 import argparse
 import collections
@@ -99,15 +99,29 @@ def triton_modules(fn, shapes):
 
 
 def compile_sass(name, ir, num_warps, num_stages, out):
-    """Triton IR -> PTX, cubin, SASS files under out -> (SASS text, resource line)."""
+    """Triton IR -> PTX, cubin, SASS files under out -> (SASS text, resource line). The IR first goes
+    through the backend's Triton-IR passes (canonicalize, combine: e.g. `acc + dot(a, b, 0)` becomes
+    `dot(a, b, acc)`), which XLA runs on Pallas' module too and `triton.compile` skips for IR input."""
     import triton
+    from triton._C.libtriton import ir as tir
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
 
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
     base = os.path.join(out, name)
-    with open(base + ".ttir", "w") as f:
+    with open(base + ".in.ttir", "w") as f:
         f.write(ir)
-    kernel = triton.compile(base + ".ttir", target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    context = tir.context()
+    tir.load_dialects(context)
+    backend.load_dialects(context)
+    module = tir.parse_mlir_module(base + ".in.ttir", context)
+    module.context = context                            # as triton.compiler.compiler.parse does
+    module = type(backend).make_ttir(module, {}, options, 90)
+    with open(base + ".ttir", "w") as f:
+        f.write(str(module))
+    kernel = triton.compile(base + ".ttir", target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
     with open(base + ".ptx", "w") as f:
         f.write(kernel.asm["ptx"])
     with open(base + ".cubin", "wb") as f:
