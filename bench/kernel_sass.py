@@ -36,11 +36,18 @@ def parse(argv=None):
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--batch", type=int, default=64, help="attention: requests (T 8, 24 / 4 heads of 256)")
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=INT",
+    ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="fields of the case's config (LanesConfig, TopKConfig, ArgmaxConfig, AttentionVerifyConfig)")
     ap.add_argument("--out", default="/tmp/sass")
     ap.add_argument("--top-ops", type=int, default=10, help="ops listed per loop")
     return ap.parse_args(argv)
+
+
+def config_value(text):
+    """'8' -> 8, '8.5' -> 8.5, 'true' / 'false' -> bool."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return float(text) if "." in text else int(text)
 
 
 def case_fn(args):
@@ -53,7 +60,7 @@ def case_fn(args):
 
     dt = jnp.dtype(args.dtype)
     logits = jax.ShapeDtypeStruct((args.rows, args.vocab), dt)
-    fields = {f: int(v) for f, v in (c.split("=") for c in args.config)}
+    fields = {f: config_value(v) for f, v in (c.split("=") for c in args.config)}
     if args.case == "topk_lanes":
         config = tl.LanesConfig(**fields)
         return (lambda x: tl.top_k(x, args.k, config=config, interpret=False)), (logits,)

@@ -92,6 +92,9 @@ CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)                         # M =
 CFG_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, combine_block_d=32)
 CFG_LAZY = pav.AttentionVerifyConfig(block_k=16, rescale_threshold=8.0)
 CFG_LAZY_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, rescale_threshold=8.0)
+CFG_INTERIOR = pav.AttentionVerifyConfig(block_k=16, unmasked_interior=True)
+CFG_INTERIOR_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, unmasked_interior=True,
+                                               rescale_threshold=8.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -99,9 +102,11 @@ CFG_LAZY_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=1
                          ids=["gqa6-d64", "mha-d256", "gqa6-d256"])
 def test_verify_interpret(heads, D, dtype):
     """One split per program (the kernel writes o itself) and three splits merged by the combine,
-    each with the rescale at every block and with the stale max (rescale_threshold)."""
+    each with the rescale at every block and with the stale max (rescale_threshold), and with the
+    score mask skipped on interior blocks (slots with seq_len 77-96 have them; the caches hold NaN
+    past every readable position, so a block wrongly taken as interior shows)."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
-    for cfg in (CFG_SINGLE, CFG_SPLIT, CFG_LAZY, CFG_LAZY_SPLIT):
+    for cfg in (CFG_SINGLE, CFG_SPLIT, CFG_LAZY, CFG_LAZY_SPLIT, CFG_INTERIOR, CFG_INTERIOR_SPLIT):
         check(case, run_kernel(case, T_MAX, cfg, interpret=True), TOL[dtype])
 
 
@@ -185,7 +190,7 @@ def test_config_validation():
                        ("block_d", 8), ("block_d", 48), ("num_warps", 3), ("num_stages", 0), ("num_stages", 5),
                        ("combine_block_d", 48), ("combine_warps", 32),
                        ("rescale_threshold", 0.0), ("rescale_threshold", -1.0), ("rescale_threshold", 17.0),
-                       ("rescale_threshold", True), ("rescale_threshold", "8")]:
+                       ("rescale_threshold", True), ("rescale_threshold", "8"), ("unmasked_interior", 1)]:
         with pytest.raises(ValueError, match=field):
             pav.AttentionVerifyConfig(**{field: bad})
     cfg = pav.AttentionVerifyConfig()
@@ -237,11 +242,11 @@ BENCH_SHAPES = [(64, 8, 24, 4, 256, 4096, jnp.bfloat16), (1, 8, 24, 4, 256, 3278
                 (5, 5, 4, 2, 80, 1000, jnp.float32)]
 
 
-@pytest.mark.parametrize("rescale_threshold", [None, 8.0], ids=["every-block", "stale-max"])
+@pytest.mark.parametrize("fast", [False, True], ids=["default", "stale-max-unmasked-interior"])
 @pytest.mark.parametrize("B,T,Hq,KVH,D,M,dtype", BENCH_SHAPES)
-def test_lowers_for_h200(B, T, Hq, KVH, D, M, dtype, rescale_threshold):
+def test_lowers_for_h200(B, T, Hq, KVH, D, M, dtype, fast):
     S = jax.ShapeDtypeStruct
-    config = pav.AttentionVerifyConfig(rescale_threshold=rescale_threshold)
+    config = pav.AttentionVerifyConfig(rescale_threshold=8.0 if fast else None, unmasked_interior=fast)
 
     def fn(q, kc, vc, sl, qsl, slots):
         return pav.attention_verify(q, kc, vc, sl, qsl, slots, T, config=config, interpret=False)
@@ -275,7 +280,7 @@ def test_layer_stack_lowers_for_h200():
 def test_verify_gpu_small(heads, D, dtype):
     """The interpret-mode cases, compiled (NaN-poisoned caches and output), against the oracle."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
-    for cfg in (CFG_SPLIT, None, CFG_LAZY, CFG_LAZY_SPLIT):
+    for cfg in (CFG_SPLIT, None, CFG_LAZY, CFG_LAZY_SPLIT, CFG_INTERIOR, CFG_INTERIOR_SPLIT):
         check(case, run_kernel(case, T_MAX, cfg), TOL[dtype])
     jump = jump_case(dtype, seed=7)
     check(jump, run_kernel(jump, T_MAX, CFG_LAZY_SPLIT), TOL[dtype])
@@ -344,8 +349,10 @@ def check_device(garbage, poisoned, t_max, config=None, tol=1.5e-2):
     (64, 4096 - 5, None), (3, 4096 - 5, None), (1, 20000, None), (40, 1000, None),
     (64, 4096 - 5, dict(block_k=32, num_stages=3)), (64, 4096 - 5, dict(num_warps=4)),
     (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
-    (64, 4096 - 5, dict(rescale_threshold=8.0)), (1, 20000, dict(rescale_threshold=8.0))],
-    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "lazy8", "lazy8-b1-20k"])
+    (64, 4096 - 5, dict(rescale_threshold=8.0)), (1, 20000, dict(rescale_threshold=8.0)),
+    (64, 4096 - 5, dict(rescale_threshold=8.0, unmasked_interior=True)),
+    (1, 20000, dict(rescale_threshold=8.0, unmasked_interior=True))],
+    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "lazy8", "lazy8-b1-20k", "fast", "fast-b1-20k"])
 def test_verify_gpu_bench_heads(B, M, cfg):
     """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts."""
     garbage, poisoned = device_case(B + M, B, 8, M)
