@@ -312,7 +312,8 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
                                mask=valid[:, None] & cm[None, :], other=0) for cols, cm in zip(chunks, cmasks)]
 
         q_in = None if f32_dots else load_q()
-        pos = seq_lens_ref[slot] + tok                                   # [R] query positions
+        seq_len = seq_lens_ref[slot]
+        pos = seq_len + tok                                              # [R] query positions
 
         def body(b, carry):
             accs, m, l = carry
@@ -329,12 +330,14 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
                 part = plgpu.dot(qs[c], kb, trans_b=True, precision=precision)
                 sc = part if sc is None else sc + part
             sc = sc * scale                                              # [R, block_k] f32, log2 units
+            def masked():
+                return jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
+
             if unmasked_interior:   # keys all below the split's end and at or before every row's position
-                interior = (k0 + block_k <= hi) & (k0 + block_k - 1 <= seq_lens_ref[slot])
-                sc = jax.lax.cond(interior, lambda: sc, lambda: jnp.where(
-                    (keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf))
+                interior = (k0 + block_k <= hi) & (k0 + block_k - 1 <= seq_len)
+                sc = jax.lax.cond(interior, lambda: sc, masked)
             else:
-                sc = jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
+                sc = masked()
             m_blk = jnp.max(sc, axis=1)
 
             def rescale(state):                                          # to the new running max
