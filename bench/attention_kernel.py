@@ -24,9 +24,8 @@ synchronised once, so the host's dispatch overlaps the GPU's work. Each kernel
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
-`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs
-[:rescale_threshold[:unmasked_interior]]]], rescale_threshold 0 = off, unmasked_interior 0 / 1) and
-`--sweep-shapes all` (or B:ctx,...) replace its configs and shapes.
+`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs]]) and `--sweep-shapes all`
+(or B:ctx,...) replace its configs and shapes.
 
 Usage (GPU machine):
   python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
@@ -50,20 +49,6 @@ DEFAULT_ORDER = [(64, 4096), (1, 32768), (8, 4096), (128, 4096), (8, 32768), (1,
                  (128, 32768), (1, 1024), (8, 1024), (64, 1024), (128, 1024)]
 
 
-SWEEP_FIELDS = ("block_k", "num_stages", "num_warps", "min_split", "target_programs", "rescale_threshold",
-                "unmasked_interior")
-
-
-def sweep_config(text):
-    """'32:3:4:256:132:8:1' -> AttentionVerifyConfig fields (rescale_threshold 0: off; unmasked_interior 0/1)."""
-    cfg = dict(zip(SWEEP_FIELDS, (int(v) for v in text.split(":"))))
-    if "rescale_threshold" in cfg:
-        cfg["rescale_threshold"] = cfg["rescale_threshold"] or None
-    if "unmasked_interior" in cfg:
-        cfg["unmasked_interior"] = bool(cfg["unmasked_interior"])
-    return cfg
-
-
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
@@ -81,8 +66,7 @@ def parse(argv=None):
     ap.add_argument("--no-xla", action="store_true", help="skip the reference and dot_product_attention")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-configs", default=None,
-                    help="block_k:num_stages:num_warps[:min_split[:target_programs[:rescale_threshold"
-                         "[:unmasked_interior]]]],... (default: a fixed list)")
+                    help="block_k:num_stages:num_warps[:min_split[:target_programs]],... (default: a fixed list)")
     ap.add_argument("--sweep-shapes", default=None, help="'all' (the 12 shapes) or B:ctx,... (default: 3 shapes)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
@@ -92,7 +76,9 @@ def parse(argv=None):
         args.shape_list = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     else:
         args.shape_list = DEFAULT_ORDER
-    args.sweep_config_list = None if not args.sweep_configs else [sweep_config(c) for c in args.sweep_configs.split(",")]
+    args.sweep_config_list = None if not args.sweep_configs else [
+        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs"), (int(v) for v in c.split(":"))))
+        for c in args.sweep_configs.split(",")]
     args.sweep_shape_list = (None if not args.sweep_shapes else DEFAULT_ORDER if args.sweep_shapes == "all"
                              else [tuple(int(v) for v in s.split(":")) for s in args.sweep_shapes.split(",")])
     if args.smoke:

@@ -90,48 +90,16 @@ def small_case(dtype, heads, D, seed, poison=True, n_pad=5):
 
 CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)                         # M = 100: overhanging last block
 CFG_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, combine_block_d=32)
-CFG_LAZY = pav.AttentionVerifyConfig(block_k=16, rescale_threshold=8.0)
-CFG_LAZY_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, rescale_threshold=8.0)
-CFG_INTERIOR = pav.AttentionVerifyConfig(block_k=16, unmasked_interior=True)
-CFG_INTERIOR_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, unmasked_interior=True,
-                                               rescale_threshold=8.0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)],
                          ids=["gqa6-d64", "mha-d256", "gqa6-d256"])
 def test_verify_interpret(heads, D, dtype):
-    """One split per program (the kernel writes o itself) and three splits merged by the combine,
-    each with the rescale at every block and with the stale max (rescale_threshold), and with the
-    score mask skipped on interior blocks (slots with seq_len 77-96 have them; the caches hold NaN
-    past every readable position, so a block wrongly taken as interior shows)."""
+    """One split per program (the kernel writes o itself) and three splits merged by the combine."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
-    for cfg in (CFG_SINGLE, CFG_SPLIT, CFG_LAZY, CFG_LAZY_SPLIT, CFG_INTERIOR, CFG_INTERIOR_SPLIT):
-        check(case, run_kernel(case, T_MAX, cfg, interpret=True), TOL[dtype])
-
-
-def jump_case(dtype, seed):
-    """Keys whose scores jump by ~2^5-2^7 (log2 units) at positions 40 and 70: the stale max must be
-    given up there (the rescale branch taken), and kept between (skipped)."""
-    case = small_case(dtype, (6, 1), 64, seed=seed)
-    k = np.array(case["k_cache"].astype(jnp.float32))
-    k[:, 40:70] *= 12.0
-    k[:, 70:] *= 40.0
-    return dict(case, k_cache=jnp.asarray(k, dtype))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_verify_interpret_rescale_threshold(dtype):
-    """Scores that jump mid-context, with and without splits: the stale-max kernel matches the
-    oracle and the every-block kernel (whose scores are the same: equal up to rounding)."""
-    case = jump_case(dtype, seed=7)
-    eager = run_kernel(case, T_MAX, pav.AttentionVerifyConfig(block_k=16), interpret=True)
-    check(case, eager, TOL[dtype])
-    for cfg in (CFG_LAZY, CFG_LAZY_SPLIT, pav.AttentionVerifyConfig(block_k=32, rescale_threshold=1.0)):
-        lazy = run_kernel(case, T_MAX, cfg, interpret=True)
-        check(case, lazy, TOL[dtype])
-        oracle.assert_close(np.asarray(lazy.astype(jnp.float32)), np.asarray(eager.astype(jnp.float32)),
-                            TOL[dtype], f"{cfg} against every-block rescale")
+    check(case, run_kernel(case, T_MAX, CFG_SINGLE, interpret=True), TOL[dtype])
+    check(case, run_kernel(case, T_MAX, CFG_SPLIT, interpret=True), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -188,9 +156,8 @@ def test_config_validation():
     for field, bad in [("block_k", 100), ("block_k", 8), ("block_k", 512), ("num_splits", 0),
                        ("num_splits", 513), ("min_split", 24), ("min_split", 8), ("target_programs", 0),
                        ("block_d", 8), ("block_d", 48), ("num_warps", 3), ("num_stages", 0), ("num_stages", 5),
-                       ("combine_block_d", 48), ("combine_warps", 32),
-                       ("rescale_threshold", 0.0), ("rescale_threshold", -1.0), ("rescale_threshold", 17.0),
-                       ("rescale_threshold", True), ("rescale_threshold", "8"), ("unmasked_interior", 1)]:
+                       ("combine_block_d", 48),
+                       ("combine_warps", 32)]:
         with pytest.raises(ValueError, match=field):
             pav.AttentionVerifyConfig(**{field: bad})
     cfg = pav.AttentionVerifyConfig()
@@ -242,14 +209,12 @@ BENCH_SHAPES = [(64, 8, 24, 4, 256, 4096, jnp.bfloat16), (1, 8, 24, 4, 256, 3278
                 (5, 5, 4, 2, 80, 1000, jnp.float32)]
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["default", "stale-max-unmasked-interior"])
 @pytest.mark.parametrize("B,T,Hq,KVH,D,M,dtype", BENCH_SHAPES)
-def test_lowers_for_h200(B, T, Hq, KVH, D, M, dtype, fast):
+def test_lowers_for_h200(B, T, Hq, KVH, D, M, dtype):
     S = jax.ShapeDtypeStruct
-    config = pav.AttentionVerifyConfig(rescale_threshold=8.0 if fast else None, unmasked_interior=fast)
 
     def fn(q, kc, vc, sl, qsl, slots):
-        return pav.attention_verify(q, kc, vc, sl, qsl, slots, T, config=config, interpret=False)
+        return pav.attention_verify(q, kc, vc, sl, qsl, slots, T, interpret=False)
 
     text = lower_for_h200(fn, S((B * T, Hq, D), dtype), S((B + 1, M, KVH, D), dtype),
                           S((B + 1, M, KVH, D), dtype), S((B + 1,), jnp.int32), S((B + 1,), jnp.int32),
@@ -280,10 +245,8 @@ def test_layer_stack_lowers_for_h200():
 def test_verify_gpu_small(heads, D, dtype):
     """The interpret-mode cases, compiled (NaN-poisoned caches and output), against the oracle."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
-    for cfg in (CFG_SPLIT, None, CFG_LAZY, CFG_LAZY_SPLIT, CFG_INTERIOR, CFG_INTERIOR_SPLIT):
-        check(case, run_kernel(case, T_MAX, cfg), TOL[dtype])
-    jump = jump_case(dtype, seed=7)
-    check(jump, run_kernel(jump, T_MAX, CFG_LAZY_SPLIT), TOL[dtype])
+    check(case, run_kernel(case, T_MAX, CFG_SPLIT), TOL[dtype])
+    check(case, run_kernel(case, T_MAX), TOL[dtype])
 
 
 @gpu
@@ -348,11 +311,8 @@ def check_device(garbage, poisoned, t_max, config=None, tol=1.5e-2):
 @pytest.mark.parametrize("B,M,cfg", [
     (64, 4096 - 5, None), (3, 4096 - 5, None), (1, 20000, None), (40, 1000, None),
     (64, 4096 - 5, dict(block_k=32, num_stages=3)), (64, 4096 - 5, dict(num_warps=4)),
-    (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
-    (64, 4096 - 5, dict(rescale_threshold=8.0)), (1, 20000, dict(rescale_threshold=8.0)),
-    (64, 4096 - 5, dict(rescale_threshold=8.0, unmasked_interior=True)),
-    (1, 20000, dict(rescale_threshold=8.0, unmasked_interior=True))],
-    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "lazy8", "lazy8-b1-20k", "fast", "fast-b1-20k"])
+    (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128))],
+    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7"])
 def test_verify_gpu_bench_heads(B, M, cfg):
     """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts."""
     garbage, poisoned = device_case(B + M, B, 8, M)

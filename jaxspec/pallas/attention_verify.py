@@ -31,12 +31,7 @@ and to keep every SM streaming:
   accumulator in registers; every key block is masked: keys >= the split's end (this also masks
   blocks that overhang M: the Triton lowering does not) are not loaded (zeros) and score -inf, and
   the causal mask key <= p applies per row. m starts at -1e30 (finite), so a row with no visible
-  key yet gets p = exp2(-inf - m) = 0 and no NaN. With `rescale_threshold` the rescale of the
-  accumulator to a new running max is skipped while no row's max grew by more than the threshold
-  (FlashAttention-4's conditional rescale): the softmax is invariant to the max it is taken
-  against, which only has to keep exp2 in range. With `unmasked_interior` a block that lies wholly
-  before every row's position and inside the split takes its scores unmasked (a block-uniform
-  branch; the loads stay masked).
+  key yet gets p = exp2(-inf - m) = 0 and no NaN.
 * num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (float32) and
   lse_s = m + log2 l [R] for the real rows; a second kernel, grid (B, KVH, row tiles x column
   tiles), loads every split's lse and o of its [rows, columns] tile at once (one masked 3-D load,
@@ -116,15 +111,6 @@ class AttentionVerifyConfig:
       4 with 16-key blocks, 3 with 32-key blocks (K and V blocks in flight while one is multiplied).
     combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
-    rescale_threshold: None: the accumulator, l and m follow each row's running max at every key
-      block (one multiply per accumulator element a block: 128 of the key loop's ~485 instructions
-      a thread at the benchmark tile, bench/kernel_sass.py). A float in (0, 16] (log2 units): the
-      max a row's scores are taken against stays until some row's block max exceeds it by more than
-      the threshold (then all rows are rescaled, under one block-uniform branch), so P <= 2^threshold
-      and most blocks skip the rescale; the same softmax up to rounding. Not GPU-timed yet.
-    unmasked_interior: skip the score mask (causal, split end) on a key block that lies wholly before
-      every row's position and inside the split (all but the last one or two blocks of a split), under
-      one block-uniform branch: ~48 of the loop's compares and selects a block. Not GPU-timed yet.
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -135,8 +121,6 @@ class AttentionVerifyConfig:
     num_stages: int | None = None
     combine_block_d: int = 64
     combine_warps: int = 4
-    rescale_threshold: float | None = None
-    unmasked_interior: bool = False
 
     def __post_init__(self):
         name = type(self).__name__
@@ -158,11 +142,6 @@ class AttentionVerifyConfig:
             raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
         if self.combine_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
-        if not isinstance(self.unmasked_interior, bool):
-            raise ValueError(f"{name}.unmasked_interior={self.unmasked_interior!r}: must be a bool")
-        thr = self.rescale_threshold
-        if thr is not None and not (isinstance(thr, (int, float)) and not isinstance(thr, bool) and 0 < thr <= 16):
-            raise ValueError(f"{name}.rescale_threshold={thr!r}: must be None or a number in (0, 16]")
 
     def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
         """The launch plan of a call (all static)."""
@@ -283,8 +262,7 @@ def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmas
 
 
 def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
-                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer,
-                   rescale_threshold, unmasked_interior):
+                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer):
     r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     max_len = k_ref.shape[-3]
     # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
@@ -312,8 +290,7 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
                                mask=valid[:, None] & cm[None, :], other=0) for cols, cm in zip(chunks, cmasks)]
 
         q_in = None if f32_dots else load_q()
-        seq_len = seq_lens_ref[slot]
-        pos = seq_len + tok                                              # [R] query positions
+        pos = seq_lens_ref[slot] + tok                                   # [R] query positions
 
         def body(b, carry):
             accs, m, l = carry
@@ -330,32 +307,15 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
                 part = plgpu.dot(qs[c], kb, trans_b=True, precision=precision)
                 sc = part if sc is None else sc + part
             sc = sc * scale                                              # [R, block_k] f32, log2 units
-            def masked():
-                return jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
-
-            if unmasked_interior:   # keys all below the split's end and at or before every row's position
-                interior = (k0 + block_k <= hi) & (k0 + block_k - 1 <= seq_len)
-                sc = jax.lax.cond(interior, lambda: sc, masked)
-            else:
-                sc = masked()
-            m_blk = jnp.max(sc, axis=1)
-
-            def rescale(state):                                          # to the new running max
-                accs, m, l = state
-                m_new = jnp.maximum(m, m_blk)
-                alpha = jnp.exp2(m - m_new)
-                return tuple(acc * alpha[:, None] for acc in accs), m_new, l * alpha
-
-            if rescale_threshold is None:
-                accs, m, l = rescale((accs, m, l))
-            else:                   # keep a stale max while every row's max grew by <= the threshold
-                grow = jnp.max(m_blk - m) > rescale_threshold
-                accs, m, l = jax.lax.cond(grow, rescale, lambda state: state, (accs, m, l))
-            p = jnp.exp2(sc - m[:, None])                                # <= 2^threshold
-            l = l + jnp.sum(p, axis=1)
+            sc = jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
             pv = p.astype(vbs[0].dtype)
-            accs = tuple(acc + plgpu.dot(pv, vb, precision=precision) for acc, vb in zip(accs, vbs))
-            return accs, m, l
+            accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, vb, precision=precision)
+                         for acc, vb in zip(accs, vbs))
+            return accs, m_new, l
 
         init = (tuple(jnp.zeros((rows, block_d), F32) for _ in chunks),
                 jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
@@ -459,9 +419,7 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
                   num_splits=num_splits, min_split=plan["min_split"])
 
     kernel = functools.partial(_verify_kernel, d=d, d_pad=d_pad, block_d=plan["block_d"],
-                               scale=d ** -0.5 * LOG2E, final=final, layer=layer,
-                               rescale_threshold=config.rescale_threshold,
-                               unmasked_interior=config.unmasked_interior, **common)
+                               scale=d ** -0.5 * LOG2E, final=final, layer=layer, **common)
     main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if final:
         return pl.pallas_call(
