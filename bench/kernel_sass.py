@@ -14,7 +14,7 @@ the output as the shape of the code (op mix, loop sizes, registers), and time on
 Usage:
   .venv/bin/python bench/kernel_sass.py --case topk_lanes --dtype bfloat16 --k 64 --out /tmp/sass
   .venv/bin/python bench/kernel_sass.py --case attention_verify --batch 1 --context 32768
-Writes DIR/<kernel>.{in.ttir,ttir,ptx,cubin,sass} (in.ttir: as Pallas lowered it).
+Writes DIR/<kernel>.{in.ttir,ttir,ttgir,ptx,cubin,sass} (in.ttir: as Pallas lowered it).
 """
 import argparse
 import collections
@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("topk_lanes", "topk_chunked", "argmax", "attention_verify")
+CASES = ("topk_lanes", "topk_maxima", "topk_chunked", "argmax", "attention_verify")
 
 
 def parse(argv=None):
@@ -37,7 +37,7 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="attention: requests (T 8, 24 / 4 heads of 256)")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--config", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="fields of the case's config (LanesConfig, TopKConfig, ArgmaxConfig, AttentionVerifyConfig)")
+                    help="fields of the case's config (LanesConfig, MaximaConfig, TopKConfig, ArgmaxConfig, AttentionVerifyConfig)")
     ap.add_argument("--out", default="/tmp/sass")
     ap.add_argument("--top-ops", type=int, default=10, help="ops listed per loop")
     return ap.parse_args(argv)
@@ -57,6 +57,7 @@ def case_fn(args):
     from jaxspec.pallas import attention_verify as pav
     from jaxspec.pallas import topk as tk
     from jaxspec.pallas import topk_lanes as tl
+    from jaxspec.pallas import topk_maxima as tm
 
     dt = jnp.dtype(args.dtype)
     logits = jax.ShapeDtypeStruct((args.rows, args.vocab), dt)
@@ -64,6 +65,9 @@ def case_fn(args):
     if args.case == "topk_lanes":
         config = tl.LanesConfig(**fields)
         return (lambda x: tl.top_k(x, args.k, config=config, interpret=False)), (logits,)
+    if args.case == "topk_maxima":
+        config = tm.MaximaConfig(**fields)
+        return (lambda x: tm.top_k(x, args.k, config=config, interpret=False)), (logits,)
     if args.case == "topk_chunked":
         config = tk.TopKConfig(**fields)
         return (lambda x: tk.top_k(x, args.k, config=config, interpret=False)), (logits,)
@@ -129,6 +133,8 @@ def compile_sass(name, ir, num_warps, num_stages, out):
     with open(base + ".ttir", "w") as f:
         f.write(str(module))
     kernel = triton.compile(base + ".ttir", target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    with open(base + ".ttgir", "w") as f:
+        f.write(kernel.asm["ttgir"])
     with open(base + ".ptx", "w") as f:
         f.write(kernel.asm["ptx"])
     with open(base + ".cubin", "wb") as f:

@@ -21,7 +21,8 @@ the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf (masked
 bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024 rows.
 
 Every row also times the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each `--lanes-configs`
-entry, on the Gaussian and the adversarial inputs.
+entry and the chunk-maxima top-k (jaxspec/pallas/topk_maxima.py) at each `--maxima-configs` entry, on
+the Gaussian and the adversarial inputs (`--no-chunked`: those two alone).
 
 Every kernel result is checked against `lax.top_k` / `jnp.argmax` (indices equal, values equal)
 in the same run; the `ok` column says so.
@@ -66,6 +67,11 @@ def parse(argv=None):
     ap.add_argument("--lanes-configs", default="512:6:0:4:8",
                     help="LanesConfig lanes:keep:segment:num_warps:unroll[:slots] (segment / slots "
                          "0: default) to time; '' none")
+    ap.add_argument("--maxima-configs", default="16:16:16:2:0:4:2",
+                    help="MaximaConfig chunk:group:blocks_per_step:unroll:steps:num_warps:select_warps (steps 0: "
+                         "default) to time; '' none")
+    ap.add_argument("--no-chunked", action="store_true",
+                    help="skip the chunked kernel, the argmax and their table (lane / maxima kernels only)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -81,6 +87,7 @@ def main(args):
     import jax.numpy as jnp
     from jaxspec.pallas import topk as tk
     from jaxspec.pallas import topk_lanes as tl
+    from jaxspec.pallas import topk_maxima as tm
 
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
@@ -102,7 +109,10 @@ def main(args):
     print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
           + f"; read-only jnp.max {read_bw / 1e12:.3f} TB/s; floors use {bw_src}", flush=True)
 
-    results, adversarial, sweep, lanes = [], [], [], []
+    results, adversarial, sweep, lanes, maxima = [], [], [], [], []
+    maxima_configs = [tm.MaximaConfig(chunk=int(a), group=int(b), blocks_per_step=int(c), unroll=int(d),
+                                      steps=int(e) or None, num_warps=int(f), select_warps=int(g))
+                      for a, b, c, d, e, f, g in (spec.split(":") for spec in args.maxima_configs.split(",") if spec)]
     lanes_configs = [tl.LanesConfig(lanes=int(a), keep=int(b), segment=int(c) or None, num_warps=int(d), unroll=int(e),
                                     slots=int(f[0]) if f and int(f[0]) else None)
                      for a, b, c, d, e, *f in (spec.split(":") for spec in args.lanes_configs.split(",") if spec)]
@@ -133,7 +143,8 @@ def main(args):
                        copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()},
                        floor_bandwidth=bw_src, read_only_TB_per_s=round(read_bw / 1e12, 3),
                        vocab=args.vocab, smoke=args.smoke, results=results, adversarial=adversarial, sweep=sweep,
-                       lanes=[{**r, "config": str(r["config"])} for r in lanes])
+                       lanes=[{**r, "config": str(r["config"])} for r in lanes],
+                       maxima=[{**r, "config": str(r["config"])} for r in maxima])
         with open(os.path.join(args.out, "topk_bench.json"), "w") as f:
             json.dump(summary, f, indent=1)
         fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
@@ -179,6 +190,17 @@ def main(args):
                 lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['input']} | {c.lanes}/{c.keep}/{c.segment or 'auto'}"
                              f"/{c.num_warps}/{c.unroll}/{c.slots or 'auto'} | {fmt(r['kernel_us'])} | {fmt(r['stage1_us'])} | {fmt(r['floor_us'])} "
                              f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['flags']} | {r['ok']} |")
+        if maxima:
+            lines += ["", "Chunk-maxima top-k (pallas/topk_maxima.py): 'stream' = its first kernel alone (chunk and "
+                      "block maxima).", "",
+                      "| rows | dtype | k | input | config (chunk/group/blocks_per_step/unroll/steps/warps/select_warps) "
+                      "| kernel µs | stream µs | floor µs | × floor | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in maxima:
+                c = r["config"]
+                lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['input']} | {c.chunk}/{c.group}/"
+                             f"{c.blocks_per_step}/{c.unroll}/{c.steps or 'auto'}/{c.num_warps}/{c.select_warps} "
+                             f"| {fmt(r['kernel_us'])} | {fmt(r['stream_us'])} | {fmt(r['floor_us'])} "
+                             f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return lines
@@ -201,6 +223,17 @@ def main(args):
                               floor_us=floor_us, flags=int(flags.sum()), ok=same(out, ref)))
             print(dump()[-1], flush=True)
 
+    def maxima_times(x, k, input_name, floor_us, ref):
+        for cfg in maxima_configs:
+            if over_budget():
+                return
+            plan = cfg.resolve(x.shape[0], x.shape[1], k, x.dtype)
+            kus, out = timed(jax.jit(lambda x: tm.top_k(x, k, config=cfg)), x)
+            sus, _ = timed(jax.jit(lambda x: tm.chunk_maxima(x, plan, interpret=not on_gpu)), x)
+            maxima.append(dict(rows=x.shape[0], dtype=jnp.dtype(x.dtype).name, k=k, input=input_name, config=cfg,
+                               kernel_us=kus, stream_us=sus, floor_us=floor_us, ok=same(out, ref)))
+            print(dump()[-1], flush=True)
+
     def over_budget():
         return time.time() - t_start > args.budget_s
 
@@ -213,6 +246,13 @@ def main(args):
                 break
             x = (jax.random.normal(jax.random.key(rows), (rows, args.vocab), jnp.float32) * 3).astype(dt)
             floor_us = x.nbytes / bw * 1e6
+            for k in ks if args.no_chunked else ():
+                ref = lax_top_k(k)(x)
+                lanes_times(x, k, "gaussian", floor_us, ref)
+                maxima_times(x, k, "gaussian", floor_us, ref)
+            if args.no_chunked:
+                del x
+                continue
             am_us, am = timed(jax.jit(lambda x: tk.argmax(x)), x)
             jam_us, jam = timed(jax.jit(lambda x: jnp.argmax(x, axis=-1)), x)
             am_ok = bool(jnp.array_equal(am, jam))
@@ -221,6 +261,7 @@ def main(args):
                     break
                 ref = lax_top_k(k)(x)
                 lanes_times(x, k, "gaussian", floor_us, ref)
+                maxima_times(x, k, "gaussian", floor_us, ref)
                 kus, s1us, out = kernel_times(x, k)
                 ok = same(out, ref)
                 lax_us = ts_us = None
@@ -263,6 +304,10 @@ def main(args):
                 x = xin.astype(dt)
                 ref = lax_top_k(k)(x)
                 lanes_times(x, k, name, x.nbytes / bw * 1e6, ref)
+                maxima_times(x, k, name, x.nbytes / bw * 1e6, ref)
+                if args.no_chunked:
+                    del x
+                    continue
                 kus, s1us, out = kernel_times(x, k)
                 ok = same(out, ref)
                 adversarial.append(dict(rows=rows, dtype=dname, input=name, kernel_us=kus, stage1_us=s1us,
@@ -306,7 +351,7 @@ def main(args):
 
     lines = dump()
     print("\n".join(lines), flush=True)
-    bad = [r for r in results + adversarial + sweep + lanes if not r["ok"]] + [r for r in results if not r["argmax_ok"]]
+    bad = [r for r in results + adversarial + sweep + lanes + maxima if not r["ok"]] + [r for r in results if not r["argmax_ok"]]
     return 1 if bad else 0
 
 

@@ -29,6 +29,7 @@ from flax import struct
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import topk as pallas_topk
 from jaxspec.pallas import topk_lanes as pallas_topk_lanes
+from jaxspec.pallas import topk_maxima as pallas_topk_maxima
 
 
 @struct.dataclass
@@ -91,11 +92,17 @@ def top_k(logits, k, *, impl="auto"):
     -> (values [..., k] logits.dtype, ids [..., k] int32), sorted descending in the IEEE total order
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
-    The Pallas kernels cover float32 / bfloat16 with k <= 64: the one-read lane-buffer kernel
-    (pallas/topk_lanes.py, once GPU-validated: no XLA conditional) and the chunked kernel
-    (pallas/topk.py), which impl="auto" takes where the lane kernel does not apply.
+    The Pallas kernels cover float32 / bfloat16 with k <= 64, each taken by impl="auto" once
+    GPU-validated, in this order: the chunk-maxima kernel (pallas/topk_maxima.py: one read keeping
+    maxima, then an exact selection; vocab <= 2**20), the lane-buffer kernel (pallas/topk_lanes.py)
+    and the chunked kernel (pallas/topk.py).
     """
-    if use_kernel("top_k", impl, lambda: _gpu_checked(impl) and pallas_topk.supports_top_k(logits, k)):
+    def covered():
+        return _gpu_checked(impl) and (pallas_topk.supports_top_k(logits, k) or pallas_topk_maxima.supports(logits, k))
+
+    if use_kernel("top_k", impl, covered):
+        if (impl == "pallas" or pallas_topk_maxima.GPU_VALIDATED) and pallas_topk_maxima.supports(logits, k):
+            return pallas_topk_maxima.top_k(logits, k)
         if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):
             return pallas_topk_lanes.top_k(logits, k)
         return pallas_topk.top_k(logits, k)
