@@ -264,9 +264,11 @@ def _count(mask):
 
 def _select(keys, valid, k, lo):
     """Mask of the top want = min(k, #valid) keys of a tile (row-major index order breaks ties)
-    and t, the want-th largest key. lo: a key with #{keys >= lo} >= want (INT_MIN: none known).
-    Bisection keeps #{keys >= lo} >= want > #{keys > hi}; then {key > t} and the first
-    want - #{key > t} ties at t."""
+    and t, the want-th largest key. lo: a key with #{keys >= lo} >= want (INT_MIN: none known);
+    the search starts at the larger of it and the least valid key (a bfloat16 key: <= 16 steps,
+    not the 32 from INT_MIN). Bisection keeps #{keys >= lo} >= want > #{keys > hi}; then
+    {key > t} and the first want - #{key > t} ties at t."""
+    lo = jnp.maximum(lo, _reduce_all(jnp.min, jnp.where(valid, keys, _I32(2**31 - 1))))
     keys = jnp.where(valid, keys, _I32(_INT_MIN))
     want = jnp.minimum(_I32(k), _count(valid))
 
