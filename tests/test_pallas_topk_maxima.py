@@ -26,7 +26,7 @@ KINDS = ["gauss", "ties", "neginf", "special", "masked", "clustered"]
 TINY = tm.MaximaConfig(chunk=4, group=4, blocks_per_step=2, unroll=2, steps=3)   # 16-column blocks, 3 steps a program
 CASES = [  # rows, vocab, k, config: vocabularies that end inside a chunk, a block, a step, a program
     (3, 1000, 20, TINY),
-    (2, 3001, 64, tm.MaximaConfig(chunk=8, group=8, blocks_per_step=4, unroll=1)),
+    (2, 3001, 64, tm.MaximaConfig(chunk=8, group=8, blocks_per_step=4, unroll=1, steps=4)),   # 4 prefetched steps
     (4, 777, 1, TINY),
     (1, 70, 64, None),
     (5, 5000, 33, None),
