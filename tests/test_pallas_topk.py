@@ -69,6 +69,25 @@ def check_top_k(x, k, vals, idx, against_lax=True):
         np.testing.assert_array_equal(bits(vals), bits(lv), "values vs lax.top_k")
 
 
+def check_auto_dispatch(x, k, kernel_name):
+    """GPU: sampling.top_k(impl='auto') on x [rows, vocab] (rows a multiple of 8) compiles to the
+    named kernel and matches lax.top_k; the target distribution of [8, rows / 8, vocab] logits through
+    it equals impl='ref'."""
+    top = jax.jit(lambda x: sampling.top_k(x, k, impl="auto"))
+    assert kernel_name in top.lower(x).as_text()
+    vals, idx = top(x)
+    lv, li = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(li))
+    np.testing.assert_array_equal(bits(vals), bits(lv))
+    params = sampling.SamplingParams.create(8, temperature=0.7, top_k=40, top_p=0.9)
+    td = jax.jit(sampling.target_distribution, static_argnums=2, static_argnames="impl")
+    logits = x.reshape(8, x.shape[0] // 8, -1)
+    p_ref, i_ref = td(logits, params, k, impl="ref")
+    p_auto, i_auto = td(logits, params, k, impl="auto")
+    np.testing.assert_array_equal(np.asarray(i_auto), np.asarray(i_ref))
+    np.testing.assert_allclose(np.asarray(p_auto), np.asarray(p_ref), rtol=1e-6, atol=1e-7)
+
+
 def check_candidates(x, k, plan, cand_key, cand_col):
     """Stage 1's contract per chunk: every slot written, the real candidates first and in column
     order, inside the chunk, with the logit's key, and a superset of the chunk's exact top-k."""
