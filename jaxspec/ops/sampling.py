@@ -69,10 +69,10 @@ def _per_row(x, lead):
 
 # ------------------------------------------------------------------------------ target side
 
-def _gpu_checked(impl):
-    """impl="auto" takes the top-k kernel only once its GPU tests have passed on the H200
-    (`pallas_topk.GPU_VALIDATED`); impl="pallas" always reaches it."""
-    return impl == "pallas" or pallas_topk.GPU_VALIDATED
+def _validated(impl, kernel):
+    """impl="auto" takes a kernel only once its GPU tests have passed on the H200 (its module's
+    `GPU_VALIDATED`); impl="pallas" always reaches it."""
+    return impl == "pallas" or kernel.GPU_VALIDATED
 
 
 def greedy_tokens(logits, *, impl="auto"):
@@ -93,19 +93,15 @@ def top_k(logits, k, *, impl="auto"):
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
     The Pallas kernels cover float32 / bfloat16 with k <= 64, each taken by impl="auto" once
-    GPU-validated, in this order: the chunk-maxima kernel (pallas/topk_maxima.py: one read keeping
-    maxima, then an exact selection; vocab <= 2**20), the lane-buffer kernel (pallas/topk_lanes.py)
-    and the chunked kernel (pallas/topk.py).
+    GPU-validated, the first that supports the call: the chunk-maxima kernel
+    (pallas/topk_maxima.py: one read keeping maxima, then an exact selection; vocab <= 2**20), then
+    the lane-buffer kernel (pallas/topk_lanes.py). (The chunked kernel, pallas/topk.py, covers no
+    call these do not and is no longer dispatched: it stays as the benchmarks' baseline.)
     """
-    def covered():
-        return _gpu_checked(impl) and (pallas_topk.supports_top_k(logits, k) or pallas_topk_maxima.supports(logits, k))
-
-    if use_kernel("top_k", impl, covered):
-        if (impl == "pallas" or pallas_topk_maxima.GPU_VALIDATED) and pallas_topk_maxima.supports(logits, k):
-            return pallas_topk_maxima.top_k(logits, k)
-        if (impl == "pallas" or pallas_topk_lanes.GPU_VALIDATED) and pallas_topk_lanes.supports(logits, k):
-            return pallas_topk_lanes.top_k(logits, k)
-        return pallas_topk.top_k(logits, k)
+    kernel = next((m for m in (pallas_topk_maxima, pallas_topk_lanes) if _validated(impl, m) and m.supports(logits, k)),
+                  None)
+    if use_kernel("top_k", impl, lambda: kernel is not None):
+        return kernel.top_k(logits, k)
     return jax.lax.top_k(logits, k)
 
 

@@ -3,6 +3,11 @@
 Contracts: `jaxspec.ops.sampling.top_k` (reference `jax.lax.top_k`) and
 `jaxspec.ops.sampling.greedy_tokens` (reference `jnp.argmax`).
 
+Status: `sampling.top_k` no longer dispatches this chunked top-k (since 2026-12-02): the
+chunk-maxima kernel (topk_maxima.py) and the lane-buffer kernel (topk_lanes.py) cover every call it
+covers and are faster on the H200. It stays as the baseline of bench/topk_kernel.py; the sort key,
+the argmax and the helpers the other top-k kernels import live here.
+
 Order
 -----
 Every comparison runs on an int32 *sort key*: the float32 bits of the logit with the magnitude bits
