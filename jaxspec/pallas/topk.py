@@ -292,19 +292,26 @@ def _rows_vocab(logits):
     return rows, vocab
 
 
-def supports_top_k(logits, k) -> bool:
-    """Shapes and dtypes the top-k kernel covers: [..., vocab] fp32/bf16, 1 <= k <= min(64, vocab)."""
+def top_k_rows_vocab(logits, k):
+    """(rows, vocab) of a top-k call every top-k kernel takes in principle: [..., vocab] fp32/bf16
+    with at least one row and an int k in 1..min(64, vocab); None for any other (or a non-array)."""
     try:
         if logits.ndim < 1 or jnp.dtype(logits.dtype) not in _DTYPES:
-            return False
+            return None
         if not isinstance(k, int) or isinstance(k, bool):
-            return False
+            return None
         rows, vocab = _rows_vocab(logits)
-        if not (rows >= 1 and 1 <= k <= min(MAX_K, vocab) and vocab < 2**31 - MAX_CHUNK):
-            return False
-        return TopKConfig().resolve(rows, vocab, k)["candidates"] <= MAX_CANDIDATES
     except (AttributeError, TypeError):
+        return None
+    return (rows, vocab) if rows >= 1 and 1 <= k <= min(MAX_K, vocab) else None
+
+
+def supports_top_k(logits, k) -> bool:
+    """Shapes and dtypes the top-k kernel covers: [..., vocab] fp32/bf16, 1 <= k <= min(64, vocab)."""
+    shape = top_k_rows_vocab(logits, k)
+    if shape is None or shape[1] >= 2**31 - MAX_CHUNK:
         return False
+    return TopKConfig().resolve(*shape, k)["candidates"] <= MAX_CANDIDATES
 
 
 def supports_argmax(logits) -> bool:

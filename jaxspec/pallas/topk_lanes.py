@@ -134,15 +134,8 @@ class LanesConfig:
 
 def supports(logits, k) -> bool:
     """[..., vocab] bfloat16 / float32, 1 <= k <= min(64, vocab)."""
-    try:
-        if logits.ndim < 1 or jnp.dtype(logits.dtype) not in tk._DTYPES:
-            return False
-        if not isinstance(k, int) or isinstance(k, bool):
-            return False
-        rows, vocab = tk._rows_vocab(logits)
-        return rows >= 1 and 1 <= k <= min(tk.MAX_K, vocab) and vocab < 2**31 - 2 * MAX_SEGMENT
-    except (AttributeError, TypeError):
-        return False
+    shape = tk.top_k_rows_vocab(logits, k)
+    return shape is not None and shape[1] < 2**31 - 2 * MAX_SEGMENT
 
 
 def _full_keys(x):

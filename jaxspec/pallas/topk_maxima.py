@@ -124,16 +124,9 @@ class MaximaConfig:
 def supports(logits, k, config: MaximaConfig | None = None) -> bool:
     """[..., vocab] bfloat16 / float32, 1 <= k <= min(64, vocab), <= MAX_BLOCKS blocks of the
     config's (default tiles: vocab <= 2**20)."""
-    try:
-        if logits.ndim < 1 or jnp.dtype(logits.dtype) not in tk._DTYPES:
-            return False
-        if not isinstance(k, int) or isinstance(k, bool):
-            return False
-        rows, vocab = tk._rows_vocab(logits)
-        cfg = config or MaximaConfig()
-        return rows >= 1 and 1 <= k <= min(tk.MAX_K, vocab) and pl.cdiv(vocab, cfg.chunk * cfg.group) <= MAX_BLOCKS
-    except (AttributeError, TypeError):
-        return False
+    shape = tk.top_k_rows_vocab(logits, k)
+    cfg = config or MaximaConfig()
+    return shape is not None and pl.cdiv(shape[1], cfg.chunk * cfg.group) <= MAX_BLOCKS
 
 
 def _keys(x, key16):
