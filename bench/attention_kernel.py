@@ -17,10 +17,13 @@ Per shape:
   and, when `--torch-copy` ran first in its own process, a torch device-to-device copy).
 
 Timing: jitted functions, CUDA-synchronised (jax.block_until_ready), median over reps of the wall
-time per call. Where one cache set is smaller than --min-set-mb, R distinct sets (copies) are cycled
-inside one jitted function (R calls per dispatch, no CSE possible), so that the working set exceeds
-the 60 MB L2 where memory allows; either way `inner` dispatches go back to back and are
-synchronised once, so the host's dispatch overlaps the GPU's work. Each kernel
+time per call. R distinct cache sets (copies) are cycled inside one jitted function (R calls per
+dispatch, no CSE possible; R >= --min-calls and R sets >= --min-set-mb, within --max-sets and
+--max-sets-gb), so that the working set exceeds the 60 MB L2 and the GPU work of one dispatch
+outlasts the host's dispatch of the next (as in the engine's step, which calls every attention
+layer in one jitted function); `inner` dispatches go back to back and are synchronised once.
+`launch`: a Pallas kernel that reads q and writes o, timed the same way, the least one kernel
+costs at the shape (two launches, split + merge, cost about twice that). Each kernel
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
@@ -62,12 +65,17 @@ def parse(argv=None):
     ap.add_argument("--xla-reps", type=int, default=5)
     ap.add_argument("--min-set-mb", type=float, default=512.0)
     ap.add_argument("--max-sets", type=int, default=16)
+    ap.add_argument("--min-calls", type=int, default=8,
+                    help="at least this many cache sets (calls) per dispatch, while they fit in --max-sets-gb")
+    ap.add_argument("--max-sets-gb", type=float, default=32.0)
     ap.add_argument("--ref-mem-gb", type=float, default=40.0)
     ap.add_argument("--no-xla", action="store_true", help="skip the reference and dot_product_attention")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-configs", default=None,
-                    help="block_k:num_stages:num_warps[:min_split[:target_programs]],... (default: a fixed list)")
+                    help="block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d[:combine_warps]]]],..."
+                         " (default: a fixed list)")
     ap.add_argument("--sweep-shapes", default=None, help="'all' (the 12 shapes) or B:ctx,... (default: 3 shapes)")
+    ap.add_argument("--sweep-trace", action="store_true", help="GPU trace (GPU µs) for every sweep config too")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
     ap.add_argument("--smoke", action="store_true")
@@ -77,7 +85,8 @@ def parse(argv=None):
     else:
         args.shape_list = DEFAULT_ORDER
     args.sweep_config_list = None if not args.sweep_configs else [
-        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs"), (int(v) for v in c.split(":"))))
+        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
+                  "combine_warps"), (int(v) for v in c.split(":"))))
         for c in args.sweep_configs.split(",")]
     args.sweep_shape_list = (None if not args.sweep_shapes else DEFAULT_ORDER if args.sweep_shapes == "all"
                              else [tuple(int(v) for v in s.split(":")) for s in args.sweep_shapes.split(",")])
@@ -92,6 +101,7 @@ def main(args):
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental import pallas as pl
     from jaxspec.ops.attention import attention_verify as op_verify
     from jaxspec.pallas import attention_verify as pav
 
@@ -132,15 +142,37 @@ def main(args):
         slots = jnp.arange(1, B + 1, dtype=jnp.int32)
         return sets, seq, qsl, slots
 
-    def run_multi(f, sets, rest, reps=None):
-        """Median us per call of f over the cycled sets (one dispatch per len(sets) calls)."""
-        if len(sets) == 1:
-            g = jax.jit(lambda s: f(*s, *rest))
-            return timed(g, sets[0], reps=reps)
-        g = jax.jit(lambda ss: [f(*s, *rest) for s in ss])
+    def count_sets(cache_bytes):
+        """Cache copies cycled per dispatch: >= --min-calls and >= --min-set-mb of data, within
+        --max-sets and --max-sets-gb (then one dispatch holds several calls' GPU work, so the
+        host's dispatch does not set the pace)."""
+        n = max(args.min_calls, math.ceil(args.min_set_mb * 2**20 / cache_bytes))
+        return max(1, min(n, args.max_sets, int(args.max_sets_gb * 2**30 // cache_bytes)))
+
+    def launch_fn(q, *_):
+        """A Pallas kernel that reads q and writes o's bytes (zeros): the least one kernel costs."""
+        width = min(4096, q.size & -q.size)                             # a power of two dividing the size
+        flat = q.reshape(-1, width)
+
+        def body(q_ref, o_ref):
+            o_ref[...] = q_ref[...] * 0
+
+        spec = pl.BlockSpec((1, width), lambda i: (i, 0))
+        return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype), grid=(flat.shape[0],),
+                              in_specs=[spec], out_specs=spec, interpret=not on_gpu)(flat).reshape(q.shape)
+
+    def run_multi(f, sets, rest, reps=None, gpu=None):
+        """Median us per call of f over the cycled sets (one dispatch per len(sets) calls); with
+        `gpu` (a dict), also the GPU's own time a call from a profiler trace: gpu["span_us"] (first
+        kernel start to last kernel end, a call's share) and gpu["kernels"] (median µs by name)."""
+        g = jax.jit(lambda ss, rest: [f(*s, *rest) for s in ss])   # rest an argument: no constants to build
         # inner dispatches back to back, one sync: with inner=1 every timing held one host
         # dispatch + sync (~100-250 us on the H200 machine), 2x the kernels' own time at batch 1
-        us, outs = timed(g, sets, reps=reps, per_call=len(sets))
+        us, outs = timed(g, sets, rest, reps=reps, per_call=len(sets))
+        if gpu is not None and on_gpu:
+            trace = benchutil.gpu_kernel_times(g, sets, rest)
+            if trace:
+                gpu.update(trace, span_us=trace["span_us"] / len(sets), busy_us=trace["busy_us"] / len(sets))
         return us, outs[0]
 
     def err(a, b):
@@ -160,24 +192,34 @@ def main(args):
                  f"T {T}, {Hq} q / {KVH} kv heads, D {D}, bf16, every request full, M = context + 16. "
                  "Copy bandwidth (same run): " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
                  + f". floor = K+V bytes read / {bw_src}. sets = cache copies cycled per timing.", "",
-                 "| batch | context | splits | sets | kernel µs | floor µs | kernel/floor | ref (XLA) µs | dpa xla µs "
-                 "| dpa cudnn µs | × vs ref | × vs dpa xla | × vs cudnn | err vs ref | ok |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "launch = a Pallas kernel that reads q and writes o (zeros), timed the same way: the least "
+                 "one kernel costs at that shape.", "",
+                 "GPU busy = the kernels' summed durations a call, GPU span = first kernel start to last kernel "
+                 "end of a dispatch / calls (gaps and waits for the host included); both from a profiler trace.", "",
+                 "| batch | context | splits | sets | kernel µs | floor µs | kernel/floor | GPU busy µs | busy/floor "
+                 "| GPU span µs "
+                 "| launch µs | ref (XLA) µs | dpa xla µs | dpa cudnn µs | × vs ref | × vs dpa xla | × vs cudnn "
+                 "| err vs ref | ok |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             x = lambda k: r[k] / r["kernel_us"] if r.get(k) and r.get("kernel_us") else None
             lines.append(
                 f"| {r['B']} | {r['ctx']} | {r['splits']} | {r['sets']} | {fmt(r['kernel_us'])} "
-                f"| {fmt(r['floor_us'])} | {fmt(r['floor_ratio'], 2)} | {fmt(r['ref_us'])} | {fmt(r['dpa_xla_us'])} "
+                f"| {fmt(r['floor_us'])} | {fmt(r['floor_ratio'], 2)} | {fmt(r['busy_us'])} "
+                f"| {fmt(r['busy_floor_ratio'], 2)} | {fmt(r['span_us'])} | {fmt(r['launch_us'])} | {fmt(r['ref_us'])} "
+                f"| {fmt(r['dpa_xla_us'])} "
                 f"| {fmt(r['dpa_cudnn_us'])} "
                 f"| {fmt(x('ref_us'), 2)} | {fmt(x('dpa_xla_us'), 2)} | {fmt(x('dpa_cudnn_us'), 2)} "
                 f"| {fmt(r['err'], 4) if r['err'] is not None else '–'} | {r['ok']} |")
         if sweep:
             lines += ["", "Config sweep (kernel µs; kernel/floor).", "",
-                      "| batch | context | config | splits | kernel µs | kernel/floor | err | note |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| batch | context | config | splits | kernel µs | kernel/floor | GPU busy µs | busy/floor | GPU span µs "
+                      "| err | note |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sweep:
                 lines.append(f"| {r['B']} | {r['ctx']} | {r['config']} | {r.get('splits', '–')} "
                              f"| {fmt(r.get('kernel_us'))} | {fmt(r.get('floor_ratio'), 2)} "
+                             f"| {fmt(r.get('busy_us'))} | {fmt(r.get('busy_floor_ratio'), 2)} | {fmt(r.get('span_us'))} "
                              f"| {fmt(r.get('err'), 4) if r.get('err') is not None else '–'} | {r.get('note', '')} |")
         with open(os.path.join(args.out, "attention_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -204,18 +246,26 @@ def main(args):
         n_keys = ctx + T
         cache_bytes = 2 * (B + 1) * M * KVH * D * isz
         floor_bytes = 2 * B * n_keys * KVH * D * isz
-        n_sets = max(1, min(args.max_sets, math.ceil(args.min_set_mb * 2**20 / cache_bytes)))
+        n_sets = count_sets(cache_bytes)
         row = dict(B=B, ctx=ctx, M=M, sets=n_sets, floor_bytes=floor_bytes, floor_us=floor_bytes / bw * 1e6,
-                   kernel_us=None, floor_ratio=None, ref_us=None, dpa_xla_us=None, dpa_cudnn_us=None, err=None,
+                   kernel_us=None, floor_ratio=None, busy_us=None, busy_floor_ratio=None, span_us=None, launch_us=None,
+                   ref_us=None, dpa_xla_us=None, dpa_cudnn_us=None, err=None,
                    ok=False, splits=None)
         try:
             sets, seq, qsl, slots = make_sets(B, ctx, n_sets, jax.random.key(B * 100003 + ctx))
             rest = (seq, qsl, slots)
             rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
             row["splits"] = pav.AttentionVerifyConfig().resolve(B, KVH, M, rows, D, dt)["num_splits"]
-            kus, out = run_multi(kernel_fn(), sets, rest)
-            row.update(kernel_us=kus, floor_ratio=kus / row["floor_us"])
-            print(f"B{B} ctx{ctx}: kernel {kus:.1f} us (floor {row['floor_us']:.1f})", flush=True)
+            gpu, launch_gpu = {}, {}
+            kus, out = run_multi(kernel_fn(), sets, rest, gpu=gpu)
+            row.update(kernel_us=kus, floor_ratio=kus / row["floor_us"], gpu=gpu)
+            row["launch_us"], _ = run_multi(launch_fn, sets, rest, gpu=launch_gpu)
+            row["launch_gpu"] = launch_gpu
+            if gpu:
+                row.update(busy_us=gpu["busy_us"], busy_floor_ratio=gpu["busy_us"] / row["floor_us"],
+                           span_us=gpu["span_us"])
+            print(f"B{B} ctx{ctx}: kernel {kus:.1f} us (floor {row['floor_us']:.1f}, one-kernel launch "
+                  f"{row['launch_us']:.1f}); GPU trace: {gpu}; launch kernel: {launch_gpu}", flush=True)
             check_against = None
             ref_mem = 2 * B * M * Hq * D * 4 + B * Hq * T * M * 4 * 3
             if not args.no_xla and ref_mem < args.ref_mem_gb * 2**30 and not over_budget():
@@ -266,7 +316,7 @@ def main(args):
             M = ctx + 16
             floor_us = 2 * B * (ctx + T) * KVH * D * isz / bw * 1e6
             cache_bytes = 2 * (B + 1) * M * KVH * D * isz
-            n_sets = max(1, min(args.max_sets, math.ceil(args.min_set_mb * 2**20 / cache_bytes)))
+            n_sets = count_sets(cache_bytes)
             sets, seq, qsl, slots = make_sets(B, ctx, n_sets, jax.random.key(7))
             rest = (seq, qsl, slots)
             base = jax.jit(kernel_fn())(*sets[0], *rest)
@@ -278,8 +328,12 @@ def main(args):
                     c = pav.AttentionVerifyConfig(**cfg)
                     rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
                     rec["splits"] = c.resolve(B, KVH, M, rows, D, dt)["num_splits"]
-                    kus, out = run_multi(kernel_fn(c), sets, rest)
+                    gpu = {}
+                    kus, out = run_multi(kernel_fn(c), sets, rest, gpu=gpu if args.sweep_trace else None)
                     rec.update(kernel_us=kus, floor_ratio=kus / floor_us, err=err(out, base))
+                    if gpu:
+                        rec.update(busy_us=gpu["busy_us"], busy_floor_ratio=gpu["busy_us"] / floor_us, span_us=gpu["span_us"],
+                                   kernels=gpu["kernels"])
                 except Exception as e:
                     rec["note"] = repr(e)[:200].replace("|", "/")
                 sweep.append(rec)

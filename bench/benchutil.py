@@ -1,10 +1,13 @@
 """Pieces every GPU benchmark script shares: the JAX process setup, one median timer, the JAX copy
 bandwidth, the torch copy bandwidth (measured in its own process, since JAX preallocates GPU
-memory) written to and read back from DIR/copy_bw_torch.json, and the floor bandwidth of a run."""
+memory) written to and read back from DIR/copy_bw_torch.json, the floor bandwidth of a run, and the
+GPU's own kernel times from a profiler trace."""
 import json
 import os
+import glob
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,3 +105,43 @@ def copy_bandwidths(out_dir) -> dict[str, float]:
 def floor_bandwidth(copies: dict[str, float]) -> tuple[str, float]:
     """(name, bytes/s) of the fastest copy: the floors divide by it (the strictest floor)."""
     return max(copies.items(), key=lambda kv: kv[1])
+
+
+def gpu_kernel_times(fn, *args, calls=5) -> dict:
+    """What the GPU itself spends on `fn(*args)`, from a jax profiler (CUPTI) trace of `calls`
+    back-to-back calls after two untimed ones: {"span_us": (last kernel end - first kernel start) /
+    calls: GPU time a call including the gaps between its kernels, and any wait for the host's
+    dispatch; "busy_us": the kernels' summed durations / calls, what the GPU spends with the gaps
+    left out; "kernels": {name: median µs}; "lines": the trace's GPU line names}. Empty dict where the trace holds no GPU kernel
+    (CPU runs)."""
+    import jax
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        events, lines = [], set()
+        for plane in ProfileData.from_file(paths[0]).planes if paths else ():
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:                     # stream lines; "XLA Ops" / "XLA Modules" are derived
+                lines.add(line.name)
+                if "stream" in line.name.lower():
+                    events += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+    kernels = [e for e in events if "memcpy" not in e[2].lower() and "memset" not in e[2].lower()]
+    if not kernels:
+        return {}
+    start = min(e[0] for e in kernels)
+    end = max(e[0] + e[1] for e in kernels)
+    by_name: dict[str, list[float]] = {}
+    for _, dur, name in kernels:
+        by_name.setdefault(name, []).append(dur / 1e3)
+    return {"span_us": (end - start) / 1e3 / calls, "busy_us": sum(e[1] for e in kernels) / 1e3 / calls,
+            "lines": sorted(lines),
+            "kernels": {name: statistics.median(v) for name, v in by_name.items()}}

@@ -20,6 +20,9 @@ the start of every chunk (stage 1 bisects in every chunk), and 99 % -inf (masked
 `--sweep`: TopKConfig chunk x num_warps x stage-2 warps x bisection x pack_bf16 (`--sweep-pack 1,0`:
 bf16 rows only) x stage2 (`--sweep-stage2 rounds,filter`) at 1024 rows.
 
+GPU busy (chunk-maxima rows): the kernels' summed durations a call, from a profiler trace
+(benchutil.gpu_kernel_times), what the GPU spends whatever the host's dispatch costs.
+
 Every row also times the lane-buffer top-k (jaxspec/pallas/topk_lanes.py) at each `--lanes-configs`
 entry and the chunk-maxima top-k (jaxspec/pallas/topk_maxima.py) at each `--maxima-configs` entry, on
 the Gaussian and the adversarial inputs (`--no-chunked`: those two alone).
@@ -194,13 +197,15 @@ def main(args):
             lines += ["", "Chunk-maxima top-k (pallas/topk_maxima.py): 'stream' = its first kernel alone (chunk and "
                       "block maxima).", "",
                       "| rows | dtype | k | input | config (chunk/group/blocks_per_step/unroll/steps/warps/select_warps) "
-                      "| kernel µs | stream µs | floor µs | × floor | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| kernel µs | stream µs | floor µs | × floor | GPU busy µs | busy × floor | ok |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in maxima:
                 c = r["config"]
                 lines.append(f"| {r['rows']} | {r['dtype']} | {r['k']} | {r['input']} | {c.chunk}/{c.group}/"
                              f"{c.blocks_per_step}/{c.unroll}/{c.steps or 'auto'}/{c.num_warps}/{c.select_warps} "
                              f"| {fmt(r['kernel_us'])} | {fmt(r['stream_us'])} | {fmt(r['floor_us'])} "
-                             f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {r['ok']} |")
+                             f"| {fmt(r['kernel_us'] / r['floor_us'], 2)} | {fmt(r['busy_us'])} "
+                             f"| {fmt(r['busy_us'] and r['busy_us'] / r['floor_us'], 2)} | {r['ok']} |")
         with open(os.path.join(args.out, "topk_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return lines
@@ -228,10 +233,13 @@ def main(args):
             if over_budget():
                 return
             plan = cfg.resolve(x.shape[0], x.shape[1], k, x.dtype)
-            kus, out = timed(jax.jit(lambda x: tm.top_k(x, k, config=cfg)), x)
+            fn = jax.jit(lambda x: tm.top_k(x, k, config=cfg))
+            kus, out = timed(fn, x)
             sus, _ = timed(jax.jit(lambda x: tm.chunk_maxima(x, plan, interpret=not on_gpu)), x)
+            gpu = benchutil.gpu_kernel_times(fn, x) if on_gpu else {}
             maxima.append(dict(rows=x.shape[0], dtype=jnp.dtype(x.dtype).name, k=k, input=input_name, config=cfg,
-                               kernel_us=kus, stream_us=sus, floor_us=floor_us, ok=same(out, ref)))
+                               kernel_us=kus, stream_us=sus, floor_us=floor_us, ok=same(out, ref),
+                               busy_us=gpu.get("busy_us"), kernels=gpu.get("kernels")))
             print(dump()[-1], flush=True)
 
     def over_budget():

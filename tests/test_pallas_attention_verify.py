@@ -90,16 +90,19 @@ def small_case(dtype, heads, D, seed, poison=True, n_pad=5):
 
 CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)                         # M = 100: overhanging last block
 CFG_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, combine_block_d=32)
+CFG_WIDE_SPLIT = pav.AttentionVerifyConfig(block_k=64, num_splits=2, num_stages=3)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)],
                          ids=["gqa6-d64", "mha-d256", "gqa6-d256"])
 def test_verify_interpret(heads, D, dtype):
-    """One split per program (the kernel writes o itself) and three splits merged by the combine."""
+    """One split per program (the kernel writes o itself), three splits merged by the combine, and
+    two 64-key splits (the long-split block size; M = 100: the second split's block overhangs)."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
     check(case, run_kernel(case, T_MAX, CFG_SINGLE, interpret=True), TOL[dtype])
     check(case, run_kernel(case, T_MAX, CFG_SPLIT, interpret=True), TOL[dtype])
+    check(case, run_kernel(case, T_MAX, CFG_WIDE_SPLIT, interpret=True), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -165,10 +168,13 @@ def test_config_validation():
     plan = cfg.resolve(64, 4, 4112, 64, 256, jnp.bfloat16)
     assert (plan["block_k"], plan["num_splits"], plan["num_warps"], plan["num_stages"]) == (16, 1, 4, 4)
     assert cfg.resolve(1, 4, 32784, 64, 256, jnp.bfloat16)["num_splits"] == 33      # 132 programs
-    small = cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)                         # split: 32 keys x 3
-    assert (small["block_k"], small["num_stages"]) == (32, 3)
-    assert cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)["num_splits"] == 4         # 128 programs
-    assert cfg.resolve(1, 4, 300, 64, 256, jnp.bfloat16)["num_splits"] == 2         # capped by M / min_split
+    split = cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)             # splits of >= 512 keys: 64 keys x 3
+    assert (split["block_k"], split["num_stages"], split["num_splits"]) == (64, 3, 4)     # 128 programs
+    short = cfg.resolve(8, 4, 1040, 64, 256, jnp.bfloat16)                         # 260-key splits: 32 x 3
+    assert (short["block_k"], short["num_stages"], short["num_splits"]) == (32, 3, 4)
+    assert cfg.resolve(2, 1, 32784, 128, 256, jnp.bfloat16)["block_k"] == 32       # 128-row tile: shared memory
+    assert cfg.resolve(1, 4, 1040, 64, 256, jnp.bfloat16)["num_splits"] == 17      # 64-key splits (min_split)
+    assert cfg.resolve(1, 4, 300, 64, 256, jnp.bfloat16)["num_splits"] == 5         # capped by M / min_split
     f32 = cfg.resolve(2, 2, 100, 128, 256, jnp.float32)
     assert (f32["block_k"], f32["block_d"], f32["num_stages"], f32["num_warps"]) == (16, 32, 1, 16)
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.float32)["block_d"] == 16                # chunks inside D

@@ -25,7 +25,7 @@ and to keep every SM streaming:
   kernel per request: cdiv(n, num_splits) rounded up to block_k, at least `min_split` keys, so a
   short context uses fewer, fuller splits, and a program whose split is empty exits at once.
   num_splits (static) = 132 // (B * KVH), at least 1: with one resident program per SM (the K/V
-  pipeline buffers take ~160 KB of shared memory at D 256) B * KVH * num_splits <= 132 programs
+  pipeline buffers take 96-192 KB of shared memory at D 256) B * KVH * num_splits <= 132 programs
   is one full wave (batch 1: 33 splits, batch 8: 4, batch >= 33: 1, where the kernel writes o).
 * Online softmax in the log2 domain (scores * D^-1/2 * log2 e, exp2), float32 m, l and
   accumulator in registers; every key block is masked: keys >= the split's end (this also masks
@@ -87,10 +87,12 @@ class AttentionVerifyConfig:
 
     block_k: keys per step of a program's loop (power of two, 16..256). None: 16 for fp32; for bf16
       16 (with 4 pipeline stages) when the requests alone fill the SMs (B * KVH > target_programs
-      / 2: one split), else 32 (with 3 stages). H200, all 12 benchmark shapes in one call
-      (bench/RESULTS.md, 2026-12-01): 16 x 4 stages was 6-12 % faster at every batch >= 64 shape
-      (batch 64 / 4k 301 us against 349) and 8-17 % slower at 5 of the 8 split shapes
-      (batch 1 / 32k 138 against 123); 64 x 2 stages x 8 warps, the first default, took 536.
+      / 2: one split); 64 (with 3 stages) where the splits are long (M >= 512 * num_splits) and
+      the tile at most 64 x 256; else 32 (with 3 stages). H200 (bench/RESULTS.md): 16 x 4 stages
+      was 6-12 % faster at every batch >= 64 shape (2026-12-01); 64 x 3 took the split kernel of
+      batch 1 / 32k and batch 8 / 4k from 43.1 / 44.6 to 41.0 / 42.4 us of GPU time and was 6 %
+      slower at batch 8 / 1k (260-key splits), 2026-12-02 (fifth session). A 128-row tile (T 16,
+      GQA 6) does not fit 64 x 3 stages and its score scratch in shared memory.
     block_d: head-dim chunk of the main kernel's dots (power of two, 16..256). None: the whole
       (padded) D for bf16 (one tensor-core MMA with K = D), 32 for fp32: the fp32 dots
       (precision=HIGHEST) run on the CUDA cores, where Triton holds a whole K extent of each
@@ -101,21 +103,24 @@ class AttentionVerifyConfig:
       SM (shared memory), B * KVH * num_splits <= 132 is one full wave (batch 1: 33 splits,
       batch 8: 4, batch >= 33: 1, where the main kernel writes o itself).
     min_split: the fewest keys a split covers (a power of two >= 16, rounded up to block_k): a
-      short context is cut into fewer, fuller pieces (fewer partials to merge).
+      short context is cut into fewer, fuller pieces (fewer partials to merge). 64: batch 1 / 1k
+      in 17 splits took 10.1 us of GPU time against 15.7 in 5 splits of 256 (the key loop's
+      per-block latency, not the merge, sets the time there); batch 1 / 4k 14.2 against 16.8.
     target_programs: programs the split aims at (>= 1): one per H200 SM by default.
     num_warps: warps of the main kernel (1, 2, 4, 8 or 16). None: R * D / 2048 (fp32) or
       R * D / 4096 (bf16) clipped to 4..16 (the fp32 accumulator is R * D / (32 * num_warps)
       registers a thread: 64 for fp32 at 8 warps, 128 for bf16 at 4 warps for the 64 x 256 tile of
       the benchmark shape; fewer warps measured faster for bf16, whose dots are tensor-core MMAs).
     num_stages: Triton software-pipelining depth of the key loop (1..4). None: 1 for fp32; for bf16
-      4 with 16-key blocks, 3 with 32-key blocks (K and V blocks in flight while one is multiplied).
+      4 with 16-key blocks, 3 with 32- and 64-key blocks (K and V blocks in flight while one is
+      multiplied).
     combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
     """
     block_k: int | None = None
     block_d: int | None = None
     num_splits: int | None = None
-    min_split: int = 256
+    min_split: int = 64
     target_programs: int = NUM_SMS
     num_warps: int | None = None
     num_stages: int | None = None
@@ -148,13 +153,17 @@ class AttentionVerifyConfig:
         f32 = jnp.dtype(dtype) == jnp.dtype(F32)
         d_pad = max(16, next_pow2(d))
         fills = 2 * num_requests * kv_heads > self.target_programs        # one split per (request, head)
-        block_k = min(self.block_k or (16 if f32 or fills else 32), max(16, next_pow2(max_len)))
+        num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
+        # 64-key blocks where splits are long (>= 512 keys) and the tile small: 64 keys x 3 stages
+        # of K and V at D 256 is 192 KB of shared memory, room left only for a <= 64-row tile's
+        # score layout scratch; on short splits the deeper pipeline's fill costs more than it saves
+        long_tile = rows * d_pad <= 64 * 256 and max_len >= 512 * num_splits
+        block_k = min(self.block_k or (16 if f32 or fills else 64 if long_tile else 32), max(16, next_pow2(max_len)))
         block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
         if block_d < d_pad and d % block_d:
             # chunks must not overhang D (static slices); else the largest power of two dividing D
             block_d = d & -d if (d & -d) >= 16 else d_pad
         min_split = max(self.min_split, block_k)
-        num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
         num_splits = max(1, min(num_splits, pl.cdiv(max_len, min_split)))
         num_warps = self.num_warps or min(16, max(4, rows * d_pad // (2048 if f32 else 4096)))
         num_stages = self.num_stages or (1 if f32 else 4 if fills else 3)
