@@ -27,12 +27,17 @@ costs at the shape (two launches, split + merge, cost about twice that). Each ke
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
-`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs]]) and `--sweep-shapes all`
-(or B:ctx,...) replace its configs and shapes.
+`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d
+[:combine_warps]]]]) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
+adds the GPU times to each sweep row.
+
+`--layer-stack`: per shape, also L calls (L = the number of cycled copies) in one jitted function
+on one layer each of [L, S1, M, KVH, D] stacks, each call's o the next call's q: the engine's way
+of calling the kernel (one argument set for all layers), reported as µs a layer (wall and GPU busy).
 
 Usage (GPU machine):
   python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
-  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/attention_kernel.py --out $OUT [--sweep]
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/attention_kernel.py --out $OUT [--sweep] [--layer-stack]
   python3 bench/attention_kernel.py --smoke                         (CPU, interpret mode, tiny shapes)
 Writes DIR/attention_bench.json and DIR/attention_bench.md (DIR = --out, default $OUT or bench/out).
 """
@@ -75,6 +80,8 @@ def parse(argv=None):
                     help="block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d[:combine_warps]]]],..."
                          " (default: a fixed list)")
     ap.add_argument("--sweep-shapes", default=None, help="'all' (the 12 shapes) or B:ctx,... (default: 3 shapes)")
+    ap.add_argument("--layer-stack", action="store_true",
+                    help="also time the kernel the engine's way: L layers of stacked caches, o -> next q, one jit")
     ap.add_argument("--sweep-trace", action="store_true", help="GPU trace (GPU µs) for every sweep config too")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
     ap.add_argument("--torch-copy", action="store_true")
@@ -142,6 +149,26 @@ def main(args):
         slots = jnp.arange(1, B + 1, dtype=jnp.int32)
         return sets, seq, qsl, slots
 
+    def layer_stack_us(B, ctx, n_layers, rest, key):
+        """(wall µs, GPU busy µs) a layer of `n_layers` calls in one jitted function, call i on layer
+        i of [L, S1, M, KVH, D] stacks with call i's o as call i+1's q: the engine's shape of use
+        (the caches passed once, one q in, one o out), so the host pays one dispatch for L kernels'
+        worth of work instead of a buffer's handling per call."""
+        ks = jax.random.split(key, 3)
+        q = jax.random.normal(ks[0], (B * T, Hq, D), dt)
+        k_stack = jax.random.normal(ks[1], (n_layers, B + 1, ctx + 16, KVH, D), dt)
+        v_stack = jax.random.normal(ks[2], (n_layers, B + 1, ctx + 16, KVH, D), dt)
+
+        @jax.jit
+        def layers(q, k_stack, v_stack, seq, qsl, slots):
+            for layer in range(n_layers):
+                q = pav.attention_verify(q, k_stack, v_stack, seq, qsl, slots, T, layer=layer)
+            return q
+
+        us, _ = timed(layers, q, k_stack, v_stack, *rest)
+        gpu = benchutil.gpu_kernel_times(layers, q, k_stack, v_stack, *rest) if on_gpu else {}
+        return us / n_layers, gpu.get("busy_us", 0.0) / n_layers
+
     def count_sets(cache_bytes):
         """Cache copies cycled per dispatch: >= --min-calls and >= --min-set-mb of data, within
         --max-sets and --max-sets-gb (then one dispatch holds several calls' GPU work, so the
@@ -196,17 +223,21 @@ def main(args):
                  "one kernel costs at that shape.", "",
                  "GPU busy = the kernels' summed durations a call, GPU span = first kernel start to last kernel "
                  "end of a dispatch / calls (gaps and waits for the host included); both from a profiler trace.", "",
+                 "layer µs = µs a call of --layer-stack's L chained calls on one layer each of stacked "
+                 "caches (the engine's way: one jit, caches passed once).", "",
                  "| batch | context | splits | sets | kernel µs | floor µs | kernel/floor | GPU busy µs | busy/floor "
-                 "| GPU span µs "
+                 "| GPU span µs | layers | layer µs | layer/floor | layer GPU busy µs "
                  "| launch µs | ref (XLA) µs | dpa xla µs | dpa cudnn µs | × vs ref | × vs dpa xla | × vs cudnn "
                  "| err vs ref | ok |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             x = lambda k: r[k] / r["kernel_us"] if r.get(k) and r.get("kernel_us") else None
             lines.append(
                 f"| {r['B']} | {r['ctx']} | {r['splits']} | {r['sets']} | {fmt(r['kernel_us'])} "
                 f"| {fmt(r['floor_us'])} | {fmt(r['floor_ratio'], 2)} | {fmt(r['busy_us'])} "
-                f"| {fmt(r['busy_floor_ratio'], 2)} | {fmt(r['span_us'])} | {fmt(r['launch_us'])} | {fmt(r['ref_us'])} "
+                f"| {fmt(r['busy_floor_ratio'], 2)} | {fmt(r['span_us'])} | {r['layers'] or '–'} | {fmt(r['layer_us'])} "
+                f"| {fmt(r['layer_us'] and r['layer_us'] / r['floor_us'], 2)} | {fmt(r['layer_busy_us'])} "
+                f"| {fmt(r['launch_us'])} | {fmt(r['ref_us'])} "
                 f"| {fmt(r['dpa_xla_us'])} "
                 f"| {fmt(r['dpa_cudnn_us'])} "
                 f"| {fmt(x('ref_us'), 2)} | {fmt(x('dpa_xla_us'), 2)} | {fmt(x('dpa_cudnn_us'), 2)} "
@@ -249,6 +280,7 @@ def main(args):
         n_sets = count_sets(cache_bytes)
         row = dict(B=B, ctx=ctx, M=M, sets=n_sets, floor_bytes=floor_bytes, floor_us=floor_bytes / bw * 1e6,
                    kernel_us=None, floor_ratio=None, busy_us=None, busy_floor_ratio=None, span_us=None, launch_us=None,
+                   layers=None, layer_us=None, layer_busy_us=None,
                    ref_us=None, dpa_xla_us=None, dpa_cudnn_us=None, err=None,
                    ok=False, splits=None)
         try:
@@ -297,7 +329,12 @@ def main(args):
                 sub_ref = op_verify(q[idx], kc, vc, seq, jnp.arange(3, dtype=jnp.int32) * T, slots[sub], T, impl="ref")
                 row["err"] = err(out[idx], sub_ref)
                 row["ok"] = row["err"] < 2e-2
-            del sets
+            del sets, out, check_against
+            if args.layer_stack and not over_budget():
+                row["layers"] = n_sets
+                row["layer_us"], row["layer_busy_us"] = layer_stack_us(B, ctx, n_sets, rest, jax.random.key(B + ctx))
+                print(f"B{B} ctx{ctx}: layer stack x {n_sets}: {row['layer_us']:.1f} us a layer "
+                      f"(GPU busy {row['layer_busy_us']:.1f})", flush=True)
         except Exception as e:
             traceback.print_exc()
             row["note"] = repr(e)[:300]
