@@ -2,9 +2,9 @@
 bandwidth, the torch copy bandwidth (measured in its own process, since JAX preallocates GPU
 memory) written to and read back from DIR/copy_bw_torch.json, the floor bandwidth of a run, and the
 GPU's own kernel times from a profiler trace."""
+import glob
 import json
 import os
-import glob
 import statistics
 import sys
 import tempfile
@@ -112,8 +112,8 @@ def gpu_kernel_times(fn, *args, calls=5) -> dict:
     back-to-back calls after two untimed ones: {"span_us": (last kernel end - first kernel start) /
     calls: GPU time a call including the gaps between its kernels, and any wait for the host's
     dispatch; "busy_us": the kernels' summed durations / calls, what the GPU spends with the gaps
-    left out; "kernels": {name: median µs}; "lines": the trace's GPU line names}. Empty dict where the trace holds no GPU kernel
-    (CPU runs)."""
+    left out; "kernels": {name: median µs}; "lines": the trace's GPU line names}. Empty dict
+    where the trace holds no GPU kernel (CPU runs)."""
     import jax
     from jax.profiler import ProfileData
 

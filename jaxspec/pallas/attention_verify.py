@@ -157,8 +157,8 @@ class AttentionVerifyConfig:
         # 64-key blocks where splits are long (>= 512 keys) and the tile small: 64 keys x 3 stages
         # of K and V at D 256 is 192 KB of shared memory, room left only for a <= 64-row tile's
         # score layout scratch; on short splits the deeper pipeline's fill costs more than it saves
-        long_tile = rows * d_pad <= 64 * 256 and max_len >= 512 * num_splits
-        block_k = min(self.block_k or (16 if f32 or fills else 64 if long_tile else 32), max(16, next_pow2(max_len)))
+        keys_64 = rows * d_pad <= 64 * 256 and max_len >= 512 * num_splits
+        block_k = min(self.block_k or (16 if f32 or fills else 64 if keys_64 else 32), max(16, next_pow2(max_len)))
         block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
         if block_d < d_pad and d % block_d:
             # chunks must not overhang D (static slices); else the largest power of two dividing D
