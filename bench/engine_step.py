@@ -23,7 +23,9 @@ two ways to run tiers (host-chosen jitted step per tier vs one step with lax.swi
   tier counts.
 (c) Host vs switch on the device alone: the jitted step per tier (host dispatch, static tier) and
   the switch step with a DevicePlan that forces the same tier, each timed call by call
-  (synchronised), median of --step-reps.
+  (synchronised), median of --step-reps; beside each, the GPU's busy time a step (the kernels'
+  summed durations from a profiler trace, `benchutil.gpu_kernel_times`) and its kernel count: wall
+  minus busy is what the host's dispatch and the launch gaps cost a step.
 
 Usage (GPU machine):
   PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/engine_step.py \
@@ -110,6 +112,7 @@ def main(args):
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     dev = jax.devices()[0]
+    on_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(args.seed)
     plan_rows, gen_rows, step_rows, notes = [], [], [], []
     model_desc = {}
@@ -156,12 +159,16 @@ def main(args):
                              f"| {fmt(r['wall_s'], 2)} | {r['compiled_in_run']} |")
         if step_rows:
             lines += ["", "## (c) compact step by tier: host (one jitted step per tier) vs switch (one step, "
-                      "lax.switch, tier forced through the DevicePlan); ms per synchronised call", "",
-                      "| batch | tier tokens | host ms | switch ms | switch / host | switch ran tier |",
-                      "|---|---|---|---|---|---|"]
+                      "lax.switch, tier forced through the DevicePlan); ms per synchronised call; GPU busy = "
+                      "the kernels' summed durations a step (profiler trace)", "",
+                      "| batch | tier tokens | host ms | host GPU busy ms | distinct kernels | switch ms "
+                      "| switch GPU busy ms | switch / host | switch ran tier |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for r in step_rows:
-                lines.append(f"| {r['batch']} | {r['tier']} | {fmt(r['host_ms'], 3)} | {fmt(r['switch_ms'], 3)} "
-                             f"| {fmt(r['switch_ms'] / r['host_ms'], 2)} | {r['switch_tier']} |")
+                lines.append(f"| {r['batch']} | {r['tier']} | {fmt(r['host_ms'], 3)} | {fmt(r['host_busy_ms'], 3)} "
+                             f"| {r['host_kernel_names'] or '–'} | {fmt(r['switch_ms'], 3)} "
+                             f"| {fmt(r['switch_busy_ms'], 3)} | {fmt(r['switch_ms'] / r['host_ms'], 2)} "
+                             f"| {r['switch_tier']} |")
         if notes:
             lines += [""] + [f"- {n}" for n in notes]
         with open(os.path.join(args.out, "engine_step.md"), "w") as f:
@@ -357,15 +364,25 @@ def main(args):
                                               jnp.zeros((b, 2), jnp.uint32), SamplingParams.create(b))
 
         def time_calls(engine, plan, tier):
+            """(median ms a synchronised step, tier the step ran, GPU busy ms a step, kernels a step)."""
             fresh(engine)
+
+            def step():
+                engine.state, emitted, *_, used = engine._step(engine.state, engine.target, engine.proposer, slots,
+                                                               plan, np.bool_(False), greedy=greedy, tier=tier)
+                return emitted, used
+
             ts = []
             for _ in range(args.step_reps + 1):
                 t = time.perf_counter()
-                engine.state, emitted, *_, used = engine._step(engine.state, engine.target, engine.proposer, slots,
-                                                               plan, np.bool_(False), greedy=greedy, tier=tier)
+                emitted, used = step()
                 jax.block_until_ready(emitted)
                 ts.append(time.perf_counter() - t)
-            return statistics.median(ts[1:]) * 1e3, int(used)
+            fresh(engine)                       # the state was donated call by call: step() threads it
+            calls = 5
+            gpu = benchutil.gpu_kernel_times(step, calls=calls) if on_gpu else {}
+            busy_ms = gpu["busy_us"] / 1e3 if gpu else None
+            return statistics.median(ts[1:]) * 1e3, int(used), busy_ms, len(gpu["kernels"]) if gpu else None
 
         for j, tier in enumerate(tiers):
             if over_budget():
@@ -374,9 +391,11 @@ def main(args):
             costs[:, j] = 1e-9
             plan = DevicePlan(plan=np.asarray(True), survival=jnp.ones((b, block - 1), jnp.float32),
                               same=np.ones((b,), bool), costs=jnp.asarray(costs))
-            host_ms, _ = time_calls(host_engine, None, tier)
-            switch_ms, used = time_calls(switch_engine, plan, None)
-            step_rows.append(dict(batch=b, tier=tier, host_ms=host_ms, switch_ms=switch_ms, switch_tier=used))
+            host_ms, _, host_busy_ms, host_kernels = time_calls(host_engine, None, tier)
+            switch_ms, used, switch_busy_ms, _ = time_calls(switch_engine, plan, None)
+            step_rows.append(dict(batch=b, tier=tier, host_ms=host_ms, switch_ms=switch_ms, switch_tier=used,
+                                  host_busy_ms=host_busy_ms, switch_busy_ms=switch_busy_ms,
+                                  host_kernel_names=host_kernels))
             print(dump()[-1], flush=True)
         host_engine.state, switch_engine.state = host_engine._init_state(), switch_engine._init_state()
 
