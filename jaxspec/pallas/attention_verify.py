@@ -92,7 +92,7 @@ class AttentionVerifyConfig:
       was 6-12 % faster at every batch >= 64 shape (2026-12-01); 64 x 3 took the split kernel of
       batch 1 / 32k and batch 8 / 4k from 43.1 / 44.6 to 41.0 / 42.4 us of GPU time and was 6 %
       slower at batch 8 / 1k (260-key splits), 2026-12-02 (fifth session). A 128-row tile (T 16,
-      GQA 6) does not fit 64 x 3 stages and its score scratch in shared memory.
+      GQA 6) with 64 x 3 stages failed its GPU test (shared memory, most likely): it keeps 32.
     block_d: head-dim chunk of the main kernel's dots (power of two, 16..256). None: the whole
       (padded) D for bf16 (one tensor-core MMA with K = D), 32 for fp32: the fp32 dots
       (precision=HIGHEST) run on the CUDA cores, where Triton holds a whole K extent of each
@@ -155,8 +155,8 @@ class AttentionVerifyConfig:
         fills = 2 * num_requests * kv_heads > self.target_programs        # one split per (request, head)
         num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
         # 64-key blocks where splits are long (>= 512 keys) and the tile small: 64 keys x 3 stages
-        # of K and V at D 256 is 192 KB of shared memory, room left only for a <= 64-row tile's
-        # score layout scratch; on short splits the deeper pipeline's fill costs more than it saves
+        # of K and V at D 256 is 192 KB of shared memory (a 128-row tile failed on the H200); on
+        # short splits the deeper pipeline's fill costs more than it saves
         keys_64 = rows * d_pad <= 64 * 256 and max_len >= 512 * num_splits
         block_k = min(self.block_k or (16 if f32 or fills else 64 if keys_64 else 32), max(16, next_pow2(max_len)))
         block_d = min(self.block_d or (32 if f32 else d_pad), d_pad)
