@@ -150,7 +150,7 @@ def main(args):
         return sets, seq, qsl, slots
 
     def layer_stack_us(B, ctx, n_layers, rest, key):
-        """(wall µs, GPU busy µs) a layer of `n_layers` calls in one jitted function, call i on layer
+        """(wall µs, GPU busy µs or None off the GPU) a layer of `n_layers` calls in one jitted function, call i on layer
         i of [L, S1, M, KVH, D] stacks with call i's o as call i+1's q: the engine's shape of use
         (the caches passed once, one q in, one o out), so the host pays one dispatch for L kernels'
         worth of work instead of a buffer's handling per call."""
@@ -167,7 +167,7 @@ def main(args):
 
         us, _ = timed(layers, q, k_stack, v_stack, *rest)
         gpu = benchutil.gpu_kernel_times(layers, q, k_stack, v_stack, *rest) if on_gpu else {}
-        return us / n_layers, gpu.get("busy_us", 0.0) / n_layers
+        return us / n_layers, gpu["busy_us"] / n_layers if gpu else None
 
     def count_sets(cache_bytes):
         """Cache copies cycled per dispatch: >= --min-calls and >= --min-set-mb of data, within
@@ -190,8 +190,9 @@ def main(args):
 
     def run_multi(f, sets, rest, reps=None, gpu=None):
         """Median us per call of f over the cycled sets (one dispatch per len(sets) calls); with
-        `gpu` (a dict), also the GPU's own time a call from a profiler trace: gpu["span_us"] (first
-        kernel start to last kernel end, a call's share) and gpu["kernels"] (median µs by name)."""
+        `gpu` (a dict), also the GPU's own time a call from a profiler trace: gpu["busy_us"] (the
+        kernels' summed durations), gpu["span_us"] (first kernel start to last kernel end), both a
+        call's share, and gpu["kernels"] (median µs by name)."""
         g = jax.jit(lambda ss, rest: [f(*s, *rest) for s in ss])   # rest an argument: no constants to build
         # inner dispatches back to back, one sync: with inner=1 every timing held one host
         # dispatch + sync (~100-250 us on the H200 machine), 2x the kernels' own time at batch 1
@@ -334,7 +335,7 @@ def main(args):
                 row["layers"] = n_sets
                 row["layer_us"], row["layer_busy_us"] = layer_stack_us(B, ctx, n_sets, rest, jax.random.key(B + ctx))
                 print(f"B{B} ctx{ctx}: layer stack x {n_sets}: {row['layer_us']:.1f} us a layer "
-                      f"(GPU busy {row['layer_busy_us']:.1f})", flush=True)
+                      f"(GPU busy {row['layer_busy_us']})", flush=True)
         except Exception as e:
             traceback.print_exc()
             row["note"] = repr(e)[:300]

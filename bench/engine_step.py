@@ -24,7 +24,7 @@ two ways to run tiers (host-chosen jitted step per tier vs one step with lax.swi
 (c) Host vs switch on the device alone: the jitted step per tier (host dispatch, static tier) and
   the switch step with a DevicePlan that forces the same tier, each timed call by call
   (synchronised), median of --step-reps; beside each, the GPU's busy time a step (the kernels'
-  summed durations from a profiler trace, `benchutil.gpu_kernel_times`) and its kernel count: wall
+  summed durations from a profiler trace, `benchutil.gpu_kernel_times`) and its distinct kernels: wall
   minus busy is what the host's dispatch and the launch gaps cost a step.
 
 Usage (GPU machine):
@@ -166,7 +166,7 @@ def main(args):
                       "|---|---|---|---|---|---|---|---|---|"]
             for r in step_rows:
                 lines.append(f"| {r['batch']} | {r['tier']} | {fmt(r['host_ms'], 3)} | {fmt(r['host_busy_ms'], 3)} "
-                             f"| {r['host_kernel_names'] or '–'} | {fmt(r['switch_ms'], 3)} "
+                             f"| {r['host_kernels'] or '–'} | {fmt(r['switch_ms'], 3)} "
                              f"| {fmt(r['switch_busy_ms'], 3)} | {fmt(r['switch_ms'] / r['host_ms'], 2)} "
                              f"| {r['switch_tier']} |")
         if notes:
@@ -364,7 +364,8 @@ def main(args):
                                               jnp.zeros((b, 2), jnp.uint32), SamplingParams.create(b))
 
         def time_calls(engine, plan, tier):
-            """(median ms a synchronised step, tier the step ran, GPU busy ms a step, kernels a step)."""
+            """(median ms a synchronised step, tier the step ran, GPU busy ms a step, distinct kernels
+            of a step); None for the last two off the GPU."""
             fresh(engine)
 
             def step():
@@ -379,8 +380,7 @@ def main(args):
                 jax.block_until_ready(emitted)
                 ts.append(time.perf_counter() - t)
             fresh(engine)                       # the state was donated call by call: step() threads it
-            calls = 5
-            gpu = benchutil.gpu_kernel_times(step, calls=calls) if on_gpu else {}
+            gpu = benchutil.gpu_kernel_times(step) if on_gpu else {}
             busy_ms = gpu["busy_us"] / 1e3 if gpu else None
             return statistics.median(ts[1:]) * 1e3, int(used), busy_ms, len(gpu["kernels"]) if gpu else None
 
@@ -395,7 +395,7 @@ def main(args):
             switch_ms, used, switch_busy_ms, _ = time_calls(switch_engine, plan, None)
             step_rows.append(dict(batch=b, tier=tier, host_ms=host_ms, switch_ms=switch_ms, switch_tier=used,
                                   host_busy_ms=host_busy_ms, switch_busy_ms=switch_busy_ms,
-                                  host_kernel_names=host_kernels))
+                                  host_kernels=host_kernels))
             print(dump()[-1], flush=True)
         host_engine.state, switch_engine.state = host_engine._init_state(), switch_engine._init_state()
 
