@@ -3,7 +3,8 @@
 Shapes: batch 1, 8, 64, 128 x context 1k, 4k, 32k; T = 8 queries per request (every request full,
 no padding), 24 q heads / 4 kv heads, D = 256, bf16 (Qwen3.5/3.6 gated attention at TP1). Every
 request's slot holds `context` committed tokens, so its window reads n = context + 8 keys; the
-cache is only as long as needed, M = context + 16.
+cache is only as long as needed, M = context + 16 rounded up to 64 (the Mosaic split kernel's
+blocked cache view).
 
 Per shape:
 * kernel: `attention_verify` (the default config; split + merge where it splits);
@@ -27,8 +28,8 @@ costs at the shape (two launches, split + merge, cost about twice that). Each ke
 result is checked against the reference (or dpa where the reference is skipped) in the same run.
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
-`--sweep-configs 32:3:4,16:4:4:64` (block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d
-[:combine_warps]]]]) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
+`--sweep-configs 32:3:4,16:4:4:64,mosaic:2` (block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d
+[:combine_warps]]]], or mosaic[:num_stages[:min_split]] for the Mosaic split kernel, or default) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
 adds the GPU times to each sweep row.
 
 `--layer-stack`: per shape, also L calls (L = the number of cycled copies) in one jitted function
@@ -55,6 +56,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # the most informative shapes first (a budget cut keeps them)
 DEFAULT_ORDER = [(64, 4096), (1, 32768), (8, 4096), (128, 4096), (8, 32768), (1, 4096), (64, 32768),
                  (128, 32768), (1, 1024), (8, 1024), (64, 1024), (128, 1024)]
+
+
+def cache_len(ctx):
+    """M of a context: its window's 8 keys and 8 spare, rounded up to 64."""
+    return -(-(ctx + 16) // 64) * 64
+
+
+def sweep_config(text):
+    """'32:3:4:64' -> the AttentionVerifyConfig fields block_k, num_stages, num_warps, min_split,
+    target_programs, combine_block_d, combine_warps in that order; 'mosaic[:stages[:min_split]]' -> the
+    Mosaic split kernel; 'default' -> the default config."""
+    head, *rest = text.split(":")
+    if head == "default":
+        return {}
+    if head == "mosaic":
+        return dict(split_kernel="mosaic", **dict(zip(("num_stages", "min_split"), (int(v) for v in rest))))
+    return dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
+                     "combine_warps"), (int(v) for v in text.split(":"))))
 
 
 def parse(argv=None):
@@ -92,9 +111,7 @@ def parse(argv=None):
     else:
         args.shape_list = DEFAULT_ORDER
     args.sweep_config_list = None if not args.sweep_configs else [
-        dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
-                  "combine_warps"), (int(v) for v in c.split(":"))))
-        for c in args.sweep_configs.split(",")]
+        sweep_config(c) for c in args.sweep_configs.split(",")]
     args.sweep_shape_list = (None if not args.sweep_shapes else DEFAULT_ORDER if args.sweep_shapes == "all"
                              else [tuple(int(v) for v in s.split(":")) for s in args.sweep_shapes.split(",")])
     if args.smoke:
@@ -136,7 +153,7 @@ def main(args):
     results, sweep = [], []
 
     def make_sets(B, ctx, n_sets, key):
-        M = ctx + 16
+        M = cache_len(ctx)
         sets = []
         for i in range(n_sets):
             ks = jax.random.split(jax.random.fold_in(key, i), 3)
@@ -156,8 +173,8 @@ def main(args):
         worth of work instead of a buffer's handling per call."""
         ks = jax.random.split(key, 3)
         q = jax.random.normal(ks[0], (B * T, Hq, D), dt)
-        k_stack = jax.random.normal(ks[1], (n_layers, B + 1, ctx + 16, KVH, D), dt)
-        v_stack = jax.random.normal(ks[2], (n_layers, B + 1, ctx + 16, KVH, D), dt)
+        k_stack = jax.random.normal(ks[1], (n_layers, B + 1, cache_len(ctx), KVH, D), dt)
+        v_stack = jax.random.normal(ks[2], (n_layers, B + 1, cache_len(ctx), KVH, D), dt)
 
         @jax.jit
         def layers(q, k_stack, v_stack, seq, qsl, slots):
@@ -217,7 +234,7 @@ def main(args):
         fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
         lines = [f"# verify attention kernel, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
                  + (" — SMOKE (CPU interpret, tiny shapes: no meaning as timings)" if args.smoke else ""), "",
-                 f"T {T}, {Hq} q / {KVH} kv heads, D {D}, bf16, every request full, M = context + 16. "
+                 f"T {T}, {Hq} q / {KVH} kv heads, D {D}, bf16, every request full, M = context + 16 rounded up to 64. "
                  "Copy bandwidth (same run): " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
                  + f". floor = K+V bytes read / {bw_src}. sets = cache copies cycled per timing.", "",
                  "launch = a Pallas kernel that reads q and writes o (zeros), timed the same way: the least "
@@ -274,7 +291,7 @@ def main(args):
         if over_budget():
             print(f"budget: stop before B{B} ctx{ctx}", flush=True)
             break
-        M = ctx + 16
+        M = cache_len(ctx)
         n_keys = ctx + T
         cache_bytes = 2 * (B + 1) * M * KVH * D * isz
         floor_bytes = 2 * B * n_keys * KVH * D * isz
@@ -351,7 +368,7 @@ def main(args):
         shapes = args.sweep_shape_list or [(64, 4096), (1, 32768), (8, 4096)]
         shapes = shapes if not args.smoke else [(2, 40)]
         for (B, ctx) in shapes:
-            M = ctx + 16
+            M = cache_len(ctx)
             floor_us = 2 * B * (ctx + T) * KVH * D * isz / bw * 1e6
             cache_bytes = 2 * (B + 1) * M * KVH * D * isz
             n_sets = count_sets(cache_bytes)

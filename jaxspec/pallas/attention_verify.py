@@ -69,6 +69,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas import attention_verify_mosaic as avm
 from jaxspec.pallas.tiles import is_pow2, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -79,6 +80,7 @@ MAX_D = 256
 NUM_SMS = 132             # H200
 NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
 LOG2E = 1.4426950408889634
+SPLIT_KERNELS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,7 @@ class AttentionVerifyConfig:
     num_stages: int | None = None
     combine_block_d: int = 64
     combine_warps: int = 4
+    split_kernel: str = "triton"
 
     def __post_init__(self):
         name = type(self).__name__
@@ -147,6 +150,8 @@ class AttentionVerifyConfig:
             raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
         if self.combine_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
+        if self.split_kernel not in SPLIT_KERNELS:
+            raise ValueError(f"{name}.split_kernel={self.split_kernel!r}: must be one of {SPLIT_KERNELS}")
 
     def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
         """The launch plan of a call (all static)."""
@@ -169,10 +174,9 @@ class AttentionVerifyConfig:
         num_stages = self.num_stages or (1 if f32 else 4 if fills else 3)
         # split-merge tiles: [splits (pow2), rows, columns] of ~8192 fp32 values per program
         combine_d = min(self.combine_block_d, d_pad)
-        combine_rows = max(1, min(rows, 8192 // (next_pow2(num_splits) * combine_d)))
         return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
                     num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
-                    combine_rows=combine_rows, combine_warps=self.combine_warps)
+                    combine_warps=self.combine_warps, mosaic=False)
 
 
 def _geometry(q_shape, k_shape, t_max):
@@ -354,9 +358,10 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
 
 
 def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs, num_requests, t_max,
-                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len):
+                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len, per_split):
     """Merge the splits of rows [i0, i0 + combine_rows) x columns [c0, c0 + combine_d) of one
-    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols])."""
+    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols]).
+    Each split wrote per_split partials (2 from the Mosaic kernel, one a warpgroup: 2 s + w)."""
     o_ref = refs[-1]
     r, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     col_tiles = pl.cdiv(d, combine_d)
@@ -367,12 +372,13 @@ def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs,
     valid = in_win & (tok < length)
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
-    s_pad = next_pow2(num_splits)
+    s_pad = next_pow2(num_splits * per_split)
 
     @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
     def _():
         n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
-        live = (jnp.arange(s_pad, dtype=jnp.int32) < pl.cdiv(n, chunk))[:, None] & valid[None, :]
+        split = jnp.arange(s_pad, dtype=jnp.int32) // per_split
+        live = ((split < pl.cdiv(n, chunk)) & (split < num_splits))[:, None] & valid[None, :]
         lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows)], mask=live, other=NEG)
         o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
                          mask=live[:, :, None] & cmask[None, None, :], other=0)
@@ -417,6 +423,15 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     b = slots.shape[0]
     rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
     plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
+    if config.split_kernel == "mosaic" and plan["num_splits"] > 1:
+        block_k, stages = config.block_k or 64, config.num_stages or 2
+        if not avm.supports(q, k_cache, t_max, block_k, stages):
+            raise ValueError(f"AttentionVerifyConfig.split_kernel='mosaic': the Mosaic split kernel does not cover "
+                             f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, t_max {t_max}, "
+                             f"block_k {block_k}, num_stages {stages}")
+        min_split = max(plan["min_split"], block_k)
+        plan = {**plan, "block_k": block_k, "num_stages": stages, "min_split": min_split, "mosaic": True,
+                "num_splits": max(2, min(plan["num_splits"], pl.cdiv(max_len, min_split)))}
     num_splits = plan["num_splits"]
     final = num_splits == 1
     if o_buffer is not None and (o_buffer.shape != (n, hq, d) or o_buffer.dtype != q.dtype):
@@ -437,16 +452,24 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
             compiler_params=main_params, interpret=interpret, name="attention_verify",
         )(*ints, q, k_cache, v_cache, *extra)
 
-    opart, lse = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), F32),
-                   jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
-        grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
-        name="attention_verify_split",
-    )(*ints, q, k_cache, v_cache)
-    combine_d, combine_rows = plan["combine_d"], plan["combine_rows"]
+    if plan["mosaic"]:
+        opart, lse = avm.split_partials(q, k_cache, v_cache, *ints, t_max, num_splits=num_splits,
+                                        min_split=plan["min_split"], block_k=plan["block_k"],
+                                        stages=plan["num_stages"], layer=layer, interpret=interpret)
+        per_split = avm.WARPGROUPS
+    else:
+        opart, lse = pl.pallas_call(
+            kernel,
+            out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), F32),
+                       jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
+            grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
+            name="attention_verify_split",
+        )(*ints, q, k_cache, v_cache)
+        per_split = 1
+    combine_d = plan["combine_d"]
+    combine_rows = max(1, min(rows, 8192 // (next_pow2(num_splits * per_split) * combine_d)))
     combine = functools.partial(_combine_kernel, d=d, combine_d=combine_d, combine_rows=combine_rows,
-                                max_len=max_len, **common)
+                                max_len=max_len, per_split=per_split, **common)
     tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
     return pl.pallas_call(
         combine, out_shape=o_shape, grid=(b, kvh, tiles),

@@ -1,0 +1,236 @@
+"""Mosaic GPU (TMA + wgmma, warp-specialised) split kernel of verify attention, for the short splits.
+
+Contract: the split phase of `attention_verify.attention_verify` (bf16, num_splits > 1): per
+(request r, kv head g, split s) the normalised partial o and its log2-sum-exp over the split's keys,
+merged by the Triton combine kernel of that module. Semantics and the split plan (keys [s * chunk,
+min((s + 1) * chunk, n)), chunk as in `attention_verify._key_range`) are the Triton kernel's; this
+module changes how one split is computed, not what.
+
+Why a second kernel: at batch 1 / 1k-4k and batch 8 / 1k the Triton split kernel runs one
+warpgroup a program that waits for each K/V block, multiplies, does the softmax, multiplies again:
+~2 us a block with the SM mostly idle (bench/RESULTS.md, 2026-12-02 fifth session). Here a CTA
+holds three warpgroups (flash-attention-3's split of roles): warpgroup 2 issues the TMA copies of
+the split's K and V blocks into a ring of `stages` shared-memory slots, and warpgroups 0 and 1
+each own every other key block (block b -> warpgroup b % 2, slot b % stages), so one multiplies
+or exponentiates while the other waits for its data. Each keeps its own m, l and accumulator and
+writes its own partial: the combine sees 2 * num_splits partials (partial 2 s + w).
+
+Rows: as in the Triton kernel, row i = t * rep + j (window token t, q head g * rep + j) of a
+[64, D] tile (wgmma M = 64). Mosaic's TMA into a wgmma (swizzled) tile needs a row offset it can
+prove a multiple of 8, which a request's start in q is not, so the wrapper gathers q into
+[B, KVH, 64, D] (one XLA fusion; rows past the window zero) together with each request's
+(keys n, slot, seq_len). For the same reason the caches are viewed as [.., M / 64, 64, KVH, D]
+(free) so that a key block is one integer index: M must be a multiple of 64.
+
+Masks: scores of keys >= the split end or past the row's position (causal) are -inf, m starts at a
+finite -1e30. TMA reads whole blocks, so the block that holds the request's last key also brings
+keys past it (possibly never written: NaN in the tests' poisoned caches); their V rows are zeroed
+in shared memory before the P V product (0 * NaN would poison the row), their scores masked.
+
+Layouts: q [N, Hq, D] bf16; caches [S1, M, KVH, D] (or layer stacks [A, S1, M, KVH, D]) bf16;
+seq_lens [S1], query_start_loc [B+1], slots [B] int32
+  -> opart [B, KVH, 2 S, 64, D] float32, lse [B, KVH, 2 S, 64] float32 (m + log2 l, log2 units;
+     -1e30 where no key was visible). CTAs whose split is empty (and those of slot-0 or empty
+     requests) write nothing: the combine masks them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+ROWS = 64                 # wgmma M: the Q tile, scores and accumulator of a warpgroup
+WARPGROUPS = 2            # consumer warpgroups a CTA, one partial each
+NEG = -1e30
+LOG2E = 1.4426950408889634
+OUT_COLS = 64             # the f32 partial leaves through shared memory in [64, 64] column chunks
+
+
+def supports(q, k_cache, t_max, block_k, stages) -> bool:
+    """bf16 q and caches; D a multiple of 64 up to 256; t_max * Hq / KVH <= 64 rows; block_k 64 and
+    M a multiple of it (the blocked cache view); an even number of slots (each warpgroup owns every
+    other slot)."""
+    try:
+        d, hq, kvh, m = q.shape[-1], q.shape[-2], k_cache.shape[-2], k_cache.shape[-3]
+        return bool(q.dtype == BF16 and k_cache.dtype == BF16 and d % 64 == 0 and d <= 256
+                    and hq % kvh == 0 and isinstance(t_max, int) and 1 <= t_max * (hq // kvh) <= ROWS
+                    and block_k == 64 and m % block_k == 0 and stages % 2 == 0 and stages >= 2)
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
+def _accumulate(acc, a, b_ref, a_ref=None):
+    """acc + a @ b_ref, acc kept in the wgmma accumulator registers and a (registers) the A operand.
+    Mosaic's GPU interpret mode takes A only from shared memory and has no rule for run_state (an
+    accumulator initialised from registers): given a_ref (interpret mode), a goes through a_ref and
+    the product to a fresh accumulator, then is added: the same sum."""
+    if a_ref is not None:
+        a_ref[...] = a
+        plgpu.commit_smem()
+
+        def product(acc_ref):
+            plgpu.wgmma(acc_ref, a_ref, b_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, F32))
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_ref)
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s, v_s, o_s, lse_s, *refs,
+            rep, t_max, block_k, stages, num_splits, min_split, scale, layer, interpret):
+    p_s, (info_bar, q_bar, k_bar, v_bar, k_free, v_free) = (refs[0] if interpret else None), refs[-6:]
+    r, g, s = jax.lax.axis_index("r"), jax.lax.axis_index("g"), jax.lax.axis_index("s")
+    wg = jax.lax.axis_index("wg")
+    d = k_ref.shape[-1]
+    lay = () if layer is None else (layer,)
+
+    @pl.when(wg == 2)
+    def _request():
+        plgpu.copy_gmem_to_smem(info_ref.at[r], info_s, info_bar.at[0])
+
+    plgpu.barrier_wait(info_bar.at[0])
+    n, slot, seq_len = info_s[0], info_s[1], info_s[2]          # n = 0: slot-0 or empty request
+    chunk = jnp.maximum(pl.cdiv(pl.cdiv(n, num_splits), block_k) * block_k, min_split)
+    lo = s * chunk
+    hi = jnp.minimum(lo + chunk, n)
+    blocks = jnp.where(lo < n, pl.cdiv(hi - lo, block_k), 0)
+
+    @pl.when((blocks > 0) & (wg == 2))
+    def _producer():
+        plgpu.copy_gmem_to_smem(q_ref.at[r, g], q_s, q_bar.at[0])
+
+        def fetch(b):
+            at = (*lay, slot, lo // block_k + b, slice(None), g)
+            plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[b % stages], k_bar.at[b % stages])
+            plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[b % stages], v_bar.at[b % stages])
+
+        for b in range(stages):
+            pl.when(b < blocks)(lambda b=b: fetch(b))
+
+        @pl.loop(stages, jnp.maximum(blocks, stages))
+        def _refill(b):
+            plgpu.barrier_wait(k_free.at[b % stages])
+            plgpu.barrier_wait(v_free.at[b % stages])
+            fetch(b)
+
+        for st in range(stages):        # the last release of each used slot: every phase observed
+            @pl.when(st < blocks)
+            def _drain():
+                plgpu.barrier_wait(k_free.at[st])
+                plgpu.barrier_wait(v_free.at[st])
+
+    @pl.when((blocks > 0) & (wg < 2))
+    def _consumer():
+        plgpu.barrier_wait(q_bar.at[0])
+        wgmma = plgpu.Layout.WGMMA
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 0, layout=wgmma)
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=wgmma)
+        pos = seq_len + row // rep                                       # [64, block_k] query positions
+        key_row = plgpu.broadcasted_iota(jnp.int32, (block_k, d), 0, layout=wgmma)
+
+        def body(i, carry):
+            acc, m, l = carry
+            b = 2 * i + wg
+            st = b % stages
+            k0 = lo + b * block_k
+            plgpu.barrier_wait(k_bar.at[st])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_s, k_s.at[st].transpose((1, 0)))
+                return acc_ref[...]
+
+            sc = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), F32))
+            plgpu.barrier_arrive(k_free.at[st])
+            keys = k0 + col
+            sc = jnp.where((keys <= pos) & (keys < hi), sc * scale, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, sc.shape, [0]))
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[st])
+
+            @pl.when(k0 + block_k > hi)                   # keys past the split end: zero their V rows
+            def _zero_tail():
+                v_s[st] = jnp.where(key_row < hi - k0, v_s[st], jnp.zeros((block_k, d), BF16))
+                plgpu.commit_smem()
+
+            acc = _accumulate(acc, p.astype(BF16), v_s.at[st], p_s.at[wg] if interpret else None)
+            plgpu.barrier_arrive(v_free.at[st])
+            return acc, m_new, l
+
+        row_vec = lambda x: plgpu.layout_cast(jnp.full((ROWS,), x, F32), wgmma.reduce(1))
+        init = (plgpu.layout_cast(jnp.zeros((ROWS, d), F32), wgmma), row_vec(NEG), row_vec(0.0))
+        acc, m, l = jax.lax.fori_loop(0, (blocks - wg + 1) // 2, body, init)
+        live = l > 0
+        o = acc * jax.lax.broadcast_in_dim(1.0 / jnp.where(live, l, 1.0), acc.shape, [0])
+        lse_s[wg] = jnp.where(live, m + jnp.log2(jnp.where(live, l, 1.0)), NEG)
+        split = WARPGROUPS * s + wg
+        for c in range(d // OUT_COLS):
+            if c:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[wg] = o[:, c * OUT_COLS:(c + 1) * OUT_COLS]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[wg], opart_ref.at[r, g, split, :, pl.ds(c * OUT_COLS, OUT_COLS)])
+        plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[r, g, split])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def gather_queries(q, query_start_loc, t_max, kv_heads):
+    """q tiles [B, KVH, 64, D]: row t * rep + j of tile (r, g) is q[start_r + t, g * rep + j], zero
+    past the request's length and past t_max * rep."""
+    n_tok, hq, d = q.shape
+    rep = hq // kv_heads
+    start, length = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    tok = start[:, None] + t[None, :]                                               # [B, T]
+    live = (t[None, :] < length[:, None]) & (tok < n_tok)
+    rows = jnp.where(live[..., None, None], q[jnp.clip(tok, 0, n_tok - 1)], 0)       # [B, T, Hq, D]
+    rows = rows.reshape(-1, t_max, kv_heads, rep, d).transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads, t_max * rep, d)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - t_max * rep), (0, 0)))
+
+
+def split_partials(q, k_cache, v_cache, query_start_loc, slots, seq_lens, t_max, *, num_splits, min_split,
+                   block_k=64, stages=2, layer=None, interpret=False):
+    """(opart [B, KVH, 2 num_splits, 64, D] f32, lse [B, KVH, 2 num_splits, 64] f32); see the module
+    docstring. Integer inputs int32."""
+    if not supports(q, k_cache, t_max, block_k, stages):
+        raise ValueError(f"attention_verify_mosaic: unsupported q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
+                         f"{k_cache.dtype}, t_max {t_max}, block_k {block_k}, stages {stages}")
+    d = q.shape[-1]
+    max_len, kvh = k_cache.shape[-3:-1]
+    b = slots.shape[0]
+    rep = q.shape[1] // kvh
+    q_tiles = gather_queries(q, query_start_loc, t_max, kvh)
+    length = query_start_loc[1:] - query_start_loc[:-1]
+    seq_len = seq_lens[jnp.maximum(slots, 0)]
+    n = jnp.where((slots > 0) & (length > 0), jnp.minimum(seq_len + length, max_len), 0)
+    info = jnp.stack([n, slots, seq_len, jnp.zeros_like(n)], axis=1).astype(jnp.int32)      # [B, 4]
+    blocked = lambda c: c.reshape(*c.shape[:-3], max_len // block_k, block_k, *c.shape[-2:])
+    scratch = [
+        plgpu.SMEM((4,), jnp.int32),
+        plgpu.SMEM((ROWS, d), BF16),
+        plgpu.SMEM((stages, block_k, d), BF16),
+        plgpu.SMEM((stages, block_k, d), BF16),
+        plgpu.SMEM((WARPGROUPS, ROWS, OUT_COLS), F32),
+        plgpu.SMEM((WARPGROUPS, ROWS), F32),
+        *([plgpu.SMEM((WARPGROUPS, ROWS, block_k), BF16)] if interpret else []),   # P (interpret mode only)
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_barriers=1),
+        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+    ]
+    kernel = plgpu.kernel(
+        lambda *refs: _kernel(*refs, rep=rep, t_max=t_max, block_k=block_k, stages=stages, num_splits=num_splits,
+                              min_split=min_split, scale=d ** -0.5 * LOG2E, layer=layer, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS, d), F32),
+                  jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS), F32)),
+        scratch_types=scratch, grid=(b, kvh, num_splits), grid_names=("r", "g", "s"),
+        num_threads=WARPGROUPS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(info, q_tiles, blocked(k_cache), blocked(v_cache))
