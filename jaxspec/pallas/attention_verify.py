@@ -118,6 +118,10 @@ class AttentionVerifyConfig:
       multiplied).
     combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
+    split_kernel: "triton" (default) or "mosaic": where the call splits, the Mosaic GPU split kernel
+      (jaxspec/pallas/attention_verify_mosaic.py: bf16, M a multiple of 64, t_max * Hq / KVH <= 64;
+      block_k 64, num_stages = its K / V slots, 2) computes the partials; 1.5-1.9x slower than the
+      Triton one on the H200 (2026-12-03), kept as the warp-specialised starting point.
     """
     block_k: int | None = None
     block_d: int | None = None

@@ -15,6 +15,16 @@ each own every other key block (block b -> warpgroup b % 2, slot b % stages), so
 or exponentiates while the other waits for its data. Each keeps its own m, l and accumulator and
 writes its own partial: the combine sees 2 * num_splits partials (partial 2 s + w).
 
+Measured (H200, bench/RESULTS.md 2026-12-03): correct on the GPU, but 1.5-1.9x SLOWER than the
+Triton split kernel at every split shape (GPU busy, split + merge: 1 x 4k 22.7 against 14.2 us,
+8 x 1k 36.9 against 20.2, 1 x 32k 80.9 against 44.9). So it is opt-in
+(`AttentionVerifyConfig(split_kernel="mosaic")`), not the default. The likely cause: at D 256 a
+64-key K + V block is 64 KB, so shared memory holds two slots, one a warpgroup; a slot is refilled
+only when its warpgroup has finished with it, so each warpgroup waits a full load latency every
+block and about one block is in flight per SM (Triton's three stages keep two). 32-key blocks with
+four slots need the tail block's V zeroing on a 32-row register tile, which Mosaic in jax 0.11.2
+does not lay out for a swizzled tile (see gdn_apply_mosaic's notes).
+
 Rows: as in the Triton kernel, row i = t * rep + j (window token t, q head g * rep + j) of a
 [64, D] tile (wgmma M = 64). Mosaic's TMA into a wgmma (swizzled) tile needs a row offset it can
 prove a multiple of 8, which a request's start in q is not, so the wrapper gathers q into
@@ -103,19 +113,19 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
     def _producer():
         plgpu.copy_gmem_to_smem(q_ref.at[r, g], q_s, q_bar.at[0])
 
-        def fetch(b):
-            at = (*lay, slot, lo // block_k + b, slice(None), g)
-            plgpu.copy_gmem_to_smem(k_ref.at[at], k_s.at[b % stages], k_bar.at[b % stages])
-            plgpu.copy_gmem_to_smem(v_ref.at[at], v_s.at[b % stages], v_bar.at[b % stages])
+        def fetch(b, wait_free):
+            at, st = (*lay, slot, lo // block_k + b, slice(None), g), b % stages
+            for ref, buf, ready, free in ((k_ref, k_s, k_bar, k_free), (v_ref, v_s, v_bar, v_free)):
+                if wait_free:           # K of the next block streams in while this one's P V runs
+                    plgpu.barrier_wait(free.at[st])
+                plgpu.copy_gmem_to_smem(ref.at[at], buf.at[st], ready.at[st])
 
         for b in range(stages):
-            pl.when(b < blocks)(lambda b=b: fetch(b))
+            pl.when(b < blocks)(lambda b=b: fetch(b, False))
 
         @pl.loop(stages, jnp.maximum(blocks, stages))
         def _refill(b):
-            plgpu.barrier_wait(k_free.at[b % stages])
-            plgpu.barrier_wait(v_free.at[b % stages])
-            fetch(b)
+            fetch(b, True)
 
         for st in range(stages):        # the last release of each used slot: every phase observed
             @pl.when(st < blocks)
@@ -211,14 +221,17 @@ def split_partials(q, k_cache, v_cache, query_start_loc, slots, seq_lens, t_max,
     n = jnp.where((slots > 0) & (length > 0), jnp.minimum(seq_len + length, max_len), 0)
     info = jnp.stack([n, slots, seq_len, jnp.zeros_like(n)], axis=1).astype(jnp.int32)      # [B, 4]
     blocked = lambda c: c.reshape(*c.shape[:-3], max_len // block_k, block_k, *c.shape[-2:])
+    # wgmma operands in 128-byte swizzled 8 x 64 tiles (flash-attention-3's layout; Mosaic's inference
+    # picks the same, stated here)
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     scratch = [
         plgpu.SMEM((4,), jnp.int32),
-        plgpu.SMEM((ROWS, d), BF16),
-        plgpu.SMEM((stages, block_k, d), BF16),
-        plgpu.SMEM((stages, block_k, d), BF16),
+        plgpu.SMEM((ROWS, d), BF16, **swizzled),
+        plgpu.SMEM((stages, block_k, d), BF16, **swizzled),
+        plgpu.SMEM((stages, block_k, d), BF16, **swizzled),
         plgpu.SMEM((WARPGROUPS, ROWS, OUT_COLS), F32),
         plgpu.SMEM((WARPGROUPS, ROWS), F32),
-        *([plgpu.SMEM((WARPGROUPS, ROWS, block_k), BF16)] if interpret else []),   # P (interpret mode only)
+        *([plgpu.SMEM((WARPGROUPS, ROWS, block_k), BF16, **swizzled)] if interpret else []),   # P (interpret mode only)
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=1),
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
