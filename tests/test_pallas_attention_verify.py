@@ -180,7 +180,8 @@ def test_config_validation():
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.float32)["block_d"] == 16                # chunks inside D
     assert cfg.resolve(2, 2, 100, 16, 72, jnp.float32)["block_d"] == 128               # one masked chunk
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.bfloat16)["block_d"] == 128
-    assert cfg.resolve(1, 4, 32784, 64, 256, jnp.bfloat16)["combine_rows"] == 2        # 64 x 2 x 64 tile
+    assert pav.combine_tile_rows(64, 33, 64) == 2                                   # 64 x 2 x 64 tile
+    assert pav.combine_tile_rows(64, 66, 64) == 1                                   # Mosaic: 2 partials a split
 
 
 def test_supports():

@@ -183,6 +183,11 @@ class AttentionVerifyConfig:
                     combine_warps=self.combine_warps, mosaic=False)
 
 
+def combine_tile_rows(rows: int, partials: int, combine_d: int) -> int:
+    """Rows of a split-merge program's [pow2(partials), rows, combine_d] tile: ~8192 fp32 values."""
+    return max(1, min(rows, 8192 // (next_pow2(partials) * combine_d)))
+
+
 def _geometry(q_shape, k_shape, t_max):
     """(rep, rows R, padded head dim) of a call."""
     hq, d = q_shape[1], q_shape[2]
@@ -471,7 +476,7 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
         )(*ints, q, k_cache, v_cache)
         per_split = 1
     combine_d = plan["combine_d"]
-    combine_rows = max(1, min(rows, 8192 // (next_pow2(num_splits * per_split) * combine_d)))
+    combine_rows = combine_tile_rows(rows, num_splits * per_split, combine_d)
     combine = functools.partial(_combine_kernel, d=d, combine_d=combine_d, combine_rows=combine_rows,
                                 max_len=max_len, per_split=per_split, **common)
     tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
