@@ -180,7 +180,7 @@ class AttentionVerifyConfig:
         combine_d = min(self.combine_block_d, d_pad)
         return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
                     num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
-                    combine_warps=self.combine_warps, mosaic=False)
+                    combine_warps=self.combine_warps)
 
 
 def combine_tile_rows(rows: int, partials: int, combine_d: int) -> int:
@@ -239,11 +239,16 @@ def _request(qsl_ref, slots_ref, r):
     return start, qsl_ref[r + 1] - start, slots_ref[r]
 
 
-def _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split):
-    """(n keys that exist, keys per split) of a request: the split length adapts to the context."""
-    n = jnp.minimum(seq_lens_ref[slot] + length, max_len)
+def split_range(seq_len, length, max_len, num_splits, block_k, min_split):
+    """(n keys that exist, keys per split) of requests (scalars in a kernel, arrays in a wrapper):
+    the split length adapts to the context; split s covers keys [s * chunk, min((s+1) * chunk, n))."""
+    n = jnp.minimum(seq_len + length, max_len)
     chunk = pl.cdiv(pl.cdiv(n, num_splits), block_k) * block_k
     return n, jnp.maximum(chunk, min_split)
+
+
+def _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split):
+    return split_range(seq_lens_ref[slot], length, max_len, num_splits, block_k, min_split)
 
 
 def _row_map(i, rep, t_max, g):
@@ -432,14 +437,15 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     b = slots.shape[0]
     rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
     plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
-    if config.split_kernel == "mosaic" and plan["num_splits"] > 1:
+    mosaic = config.split_kernel == "mosaic" and plan["num_splits"] > 1
+    if mosaic:
         block_k, stages = config.block_k or 64, config.num_stages or 2
         if not avm.supports(q, k_cache, t_max, block_k, stages):
             raise ValueError(f"AttentionVerifyConfig.split_kernel='mosaic': the Mosaic split kernel does not cover "
                              f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, t_max {t_max}, "
                              f"block_k {block_k}, num_stages {stages}")
         min_split = max(plan["min_split"], block_k)
-        plan = {**plan, "block_k": block_k, "num_stages": stages, "min_split": min_split, "mosaic": True,
+        plan = {**plan, "block_k": block_k, "num_stages": stages, "min_split": min_split,
                 "num_splits": max(2, min(plan["num_splits"], pl.cdiv(max_len, min_split)))}
     num_splits = plan["num_splits"]
     final = num_splits == 1
@@ -461,10 +467,16 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
             compiler_params=main_params, interpret=interpret, name="attention_verify",
         )(*ints, q, k_cache, v_cache, *extra)
 
-    if plan["mosaic"]:
-        opart, lse = avm.split_partials(q, k_cache, v_cache, *ints, t_max, num_splits=num_splits,
-                                        min_split=plan["min_split"], block_k=plan["block_k"],
-                                        stages=plan["num_stages"], layer=layer, interpret=interpret)
+    if mosaic:
+        qsl, slots_i, seq_lens_i = ints
+        length = qsl[1:] - qsl[:-1]
+        seq_len = seq_lens_i[jnp.maximum(slots_i, 0)]
+        n_keys, chunk = split_range(seq_len, length, max_len, num_splits, plan["block_k"], plan["min_split"])
+        n_keys = jnp.where((slots_i > 0) & (length > 0), n_keys, 0)
+        info = jnp.stack([n_keys, slots_i, seq_len, chunk], axis=1)                           # [B, 4]
+        opart, lse = avm.split_partials(q, k_cache, v_cache, info, qsl, t_max, num_splits=num_splits,
+                                        block_k=plan["block_k"], stages=plan["num_stages"], layer=layer,
+                                        interpret=interpret)
         per_split = avm.WARPGROUPS
     else:
         opart, lse = pl.pallas_call(

@@ -3,8 +3,8 @@
 Contract: the split phase of `attention_verify.attention_verify` (bf16, num_splits > 1): per
 (request r, kv head g, split s) the normalised partial o and its log2-sum-exp over the split's keys,
 merged by the Triton combine kernel of that module. Semantics and the split plan (keys [s * chunk,
-min((s + 1) * chunk, n)), chunk as in `attention_verify._key_range`) are the Triton kernel's; this
-module changes how one split is computed, not what.
+min((s + 1) * chunk, n)), n and chunk from `attention_verify.split_range`, which the wrapper
+passes in `info`) are the Triton kernel's; this module changes how one split is computed, not what.
 
 Why a second kernel: at batch 1 / 1k-4k and batch 8 / 1k the Triton split kernel runs one
 warpgroup a program that waits for each K/V block, multiplies, does the softmax, multiplies again:
@@ -28,8 +28,8 @@ does not lay out for a swizzled tile (see gdn_apply_mosaic's notes).
 Rows: as in the Triton kernel, row i = t * rep + j (window token t, q head g * rep + j) of a
 [64, D] tile (wgmma M = 64). Mosaic's TMA into a wgmma (swizzled) tile needs a row offset it can
 prove a multiple of 8, which a request's start in q is not, so the wrapper gathers q into
-[B, KVH, 64, D] (one XLA fusion; rows past the window zero) together with each request's
-(keys n, slot, seq_len). For the same reason the caches are viewed as [.., M / 64, 64, KVH, D]
+[B, KVH, 64, D] (one XLA fusion; rows past the window zero); each request's scalars come
+as one 16-byte TMA row of `info`. For the same reason the caches are viewed as [.., M / 64, 64, KVH, D]
 (free) so that a key block is one integer index: M must be a multiple of 64.
 
 Masks: scores of keys >= the split end or past the row's position (causal) are -inf, m starts at a
@@ -38,7 +38,8 @@ keys past it (possibly never written: NaN in the tests' poisoned caches); their 
 in shared memory before the P V product (0 * NaN would poison the row), their scores masked.
 
 Layouts: q [N, Hq, D] bf16; caches [S1, M, KVH, D] (or layer stacks [A, S1, M, KVH, D]) bf16;
-seq_lens [S1], query_start_loc [B+1], slots [B] int32
+info [B, 4] int32 = (n keys, slot, seq_len, chunk) with n = 0 for slot-0 and empty requests;
+query_start_loc [B+1] int32
   -> opart [B, KVH, 2 S, 64, D] float32, lse [B, KVH, 2 S, 64] float32 (m + log2 l, log2 units;
      -1e30 where no key was visible). CTAs whose split is empty (and those of slot-0 or empty
      requests) write nothing: the combine masks them.
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jaxspec.ops import packing
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROWS = 64                 # wgmma M: the Q tile, scores and accumulator of a warpgroup
@@ -91,7 +93,7 @@ def _accumulate(acc, a, b_ref, a_ref=None):
 
 
 def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s, v_s, o_s, lse_s, *refs,
-            rep, t_max, block_k, stages, num_splits, min_split, scale, layer, interpret):
+            rep, block_k, stages, scale, layer, interpret):
     p_s, (info_bar, q_bar, k_bar, v_bar, k_free, v_free) = (refs[0] if interpret else None), refs[-6:]
     r, g, s = jax.lax.axis_index("r"), jax.lax.axis_index("g"), jax.lax.axis_index("s")
     wg = jax.lax.axis_index("wg")
@@ -103,8 +105,7 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
         plgpu.copy_gmem_to_smem(info_ref.at[r], info_s, info_bar.at[0])
 
     plgpu.barrier_wait(info_bar.at[0])
-    n, slot, seq_len = info_s[0], info_s[1], info_s[2]          # n = 0: slot-0 or empty request
-    chunk = jnp.maximum(pl.cdiv(pl.cdiv(n, num_splits), block_k) * block_k, min_split)
+    n, slot, seq_len, chunk = info_s[0], info_s[1], info_s[2], info_s[3]    # n = 0: slot-0 or empty request
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, n)
     blocks = jnp.where(lo < n, pl.cdiv(hi - lo, block_k), 0)
@@ -193,33 +194,25 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
 def gather_queries(q, query_start_loc, t_max, kv_heads):
     """q tiles [B, KVH, 64, D]: row t * rep + j of tile (r, g) is q[start_r + t, g * rep + j], zero
     past the request's length and past t_max * rep."""
-    n_tok, hq, d = q.shape
+    _, hq, d = q.shape
     rep = hq // kv_heads
-    start, length = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
-    t = jnp.arange(t_max, dtype=jnp.int32)
-    tok = start[:, None] + t[None, :]                                               # [B, T]
-    live = (t[None, :] < length[:, None]) & (tok < n_tok)
-    rows = jnp.where(live[..., None, None], q[jnp.clip(tok, 0, n_tok - 1)], 0)       # [B, T, Hq, D]
+    rows, _ = packing.to_padded(q, query_start_loc, t_max)                          # [B, T, Hq, D]
     rows = rows.reshape(-1, t_max, kv_heads, rep, d).transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads, t_max * rep, d)
     return jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - t_max * rep), (0, 0)))
 
 
-def split_partials(q, k_cache, v_cache, query_start_loc, slots, seq_lens, t_max, *, num_splits, min_split,
-                   block_k=64, stages=2, layer=None, interpret=False):
+def split_partials(q, k_cache, v_cache, info, query_start_loc, t_max, *, num_splits, block_k=64, stages=2,
+                   layer=None, interpret=False):
     """(opart [B, KVH, 2 num_splits, 64, D] f32, lse [B, KVH, 2 num_splits, 64] f32); see the module
-    docstring. Integer inputs int32."""
+    docstring for info [B, 4] int32."""
     if not supports(q, k_cache, t_max, block_k, stages):
         raise ValueError(f"attention_verify_mosaic: unsupported q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
                          f"{k_cache.dtype}, t_max {t_max}, block_k {block_k}, stages {stages}")
     d = q.shape[-1]
     max_len, kvh = k_cache.shape[-3:-1]
-    b = slots.shape[0]
+    b = info.shape[0]
     rep = q.shape[1] // kvh
     q_tiles = gather_queries(q, query_start_loc, t_max, kvh)
-    length = query_start_loc[1:] - query_start_loc[:-1]
-    seq_len = seq_lens[jnp.maximum(slots, 0)]
-    n = jnp.where((slots > 0) & (length > 0), jnp.minimum(seq_len + length, max_len), 0)
-    info = jnp.stack([n, slots, seq_len, jnp.zeros_like(n)], axis=1).astype(jnp.int32)      # [B, 4]
     blocked = lambda c: c.reshape(*c.shape[:-3], max_len // block_k, block_k, *c.shape[-2:])
     # wgmma operands in 128-byte swizzled 8 x 64 tiles (flash-attention-3's layout; Mosaic's inference
     # picks the same, stated here)
@@ -237,8 +230,8 @@ def split_partials(q, k_cache, v_cache, query_start_loc, slots, seq_lens, t_max,
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
     ]
     kernel = plgpu.kernel(
-        lambda *refs: _kernel(*refs, rep=rep, t_max=t_max, block_k=block_k, stages=stages, num_splits=num_splits,
-                              min_split=min_split, scale=d ** -0.5 * LOG2E, layer=layer, interpret=interpret),
+        lambda *refs: _kernel(*refs, rep=rep, block_k=block_k, stages=stages,
+                              scale=d ** -0.5 * LOG2E, layer=layer, interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS, d), F32),
                   jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS), F32)),
         scratch_types=scratch, grid=(b, kvh, num_splits), grid_names=("r", "g", "s"),
