@@ -181,7 +181,7 @@ def test_config_validation():
     assert cfg.resolve(2, 2, 100, 16, 72, jnp.float32)["block_d"] == 128               # one masked chunk
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.bfloat16)["block_d"] == 128
     assert pav.combine_tile_rows(64, 33, 64) == 2                                   # 64 x 2 x 64 tile
-    assert pav.combine_tile_rows(64, 66, 64) == 1                                   # Mosaic: 2 partials a split
+    assert pav.combine_tile_rows(64, 66, 64) == 1                                   # 128 x 1 x 64
 
 
 def test_supports():
@@ -406,6 +406,41 @@ def test_mosaic_refuses_what_it_does_not_cover():
             run_kernel(c, t_max, CFG_MOSAIC[0], interpret=True)
     with pytest.raises(ValueError, match="split_kernel"):
         pav.AttentionVerifyConfig(split_kernel="cuda")
+
+
+def gather_oracle(q, qsl, t_max, kvh):
+    """numpy: tile (r, g) row t * rep + j = q[qsl[r] + t, g * rep + j] for t < length_r, else 0."""
+    q, qsl = np.asarray(q.astype(jnp.float32)), np.asarray(qsl)
+    n, hq, d = q.shape
+    rep = hq // kvh
+    out = np.zeros((len(qsl) - 1, kvh, 64, d), np.float32)
+    for r in range(len(qsl) - 1):
+        for t in range(qsl[r + 1] - qsl[r]):
+            for g in range(kvh):
+                out[r, g, t * rep:(t + 1) * rep] = q[qsl[r] + t, g * rep:(g + 1) * rep]
+    return out
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[gpu, pytest.mark.gpu])],
+                         ids=["interpret", "gpu"])
+@pytest.mark.parametrize("heads,D,t_max", [((24, 4), 256, 8), ((12, 2), 192, 5), ((6, 1), 64, 10)],
+                         ids=["gqa6-d256-t8", "gqa6-d192-t5", "gqa6-d64-t10"])
+def test_mosaic_gather_queries(heads, D, t_max, interpret):
+    """The Mosaic path's query tiles: ragged windows (0 and t_max tokens among them), padding rows
+    after the last request; every row of every tile written (NaN-filled q rows outside the windows
+    must not leak)."""
+    Hq, KVH = heads
+    rng = np.random.default_rng(D + t_max)
+    lengths = [t_max, 0, 1, 3, t_max, 2]
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]) + 4, Hq, D)).astype(np.float32)
+    q[int(qsl[-1]):] = np.nan
+    q = jnp.asarray(q, jnp.bfloat16)
+    want = gather_oracle(q, qsl, t_max, KVH)
+    tiles = pav.avm.gather_queries(q, jnp.asarray(qsl), t_max, KVH, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(tiles.astype(jnp.float32)), want)
+    ref = pav.avm.gather_queries_reference(q, jnp.asarray(qsl), t_max, KVH)
+    np.testing.assert_array_equal(np.asarray(ref.astype(jnp.float32)), want)
 
 
 @pytest.mark.parametrize("B,M", [(1, 4096), (8, 1024), (1, 32768)])

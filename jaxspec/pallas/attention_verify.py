@@ -372,10 +372,9 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
 
 
 def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs, num_requests, t_max,
-                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len, per_split):
+                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len):
     """Merge the splits of rows [i0, i0 + combine_rows) x columns [c0, c0 + combine_d) of one
-    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols]).
-    Each split wrote per_split partials (2 from the Mosaic kernel, one a warpgroup: 2 s + w)."""
+    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols])."""
     o_ref = refs[-1]
     r, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     col_tiles = pl.cdiv(d, combine_d)
@@ -386,12 +385,12 @@ def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs,
     valid = in_win & (tok < length)
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
-    s_pad = next_pow2(num_splits * per_split)
+    s_pad = next_pow2(num_splits)
 
     @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
     def _():
         n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
-        split = jnp.arange(s_pad, dtype=jnp.int32) // per_split
+        split = jnp.arange(s_pad, dtype=jnp.int32)
         live = ((split < pl.cdiv(n, chunk)) & (split < num_splits))[:, None] & valid[None, :]
         lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows)], mask=live, other=NEG)
         o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
@@ -477,7 +476,6 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
         opart, lse = avm.split_partials(q, k_cache, v_cache, info, qsl, t_max, num_splits=num_splits,
                                         block_k=plan["block_k"], stages=plan["num_stages"], layer=layer,
                                         interpret=interpret)
-        per_split = avm.WARPGROUPS
     else:
         opart, lse = pl.pallas_call(
             kernel,
@@ -486,11 +484,10 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
             grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
             name="attention_verify_split",
         )(*ints, q, k_cache, v_cache)
-        per_split = 1
     combine_d = plan["combine_d"]
-    combine_rows = combine_tile_rows(rows, num_splits * per_split, combine_d)
+    combine_rows = combine_tile_rows(rows, num_splits, combine_d)
     combine = functools.partial(_combine_kernel, d=d, combine_d=combine_d, combine_rows=combine_rows,
-                                max_len=max_len, per_split=per_split, **common)
+                                max_len=max_len, **common)
     tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
     return pl.pallas_call(
         combine, out_shape=o_shape, grid=(b, kvh, tiles),

@@ -12,8 +12,9 @@ warpgroup a program that waits for each K/V block, multiplies, does the softmax,
 holds three warpgroups (flash-attention-3's split of roles): warpgroup 2 issues the TMA copies of
 the split's K and V blocks into a ring of `stages` shared-memory slots, and warpgroups 0 and 1
 each own every other key block (block b -> warpgroup b % 2, slot b % stages), so one multiplies
-or exponentiates while the other waits for its data. Each keeps its own m, l and accumulator and
-writes its own partial: the combine sees 2 * num_splits partials (partial 2 s + w).
+or exponentiates while the other waits for its data. Each keeps its own m, l and accumulator; at
+the end the two are merged in the CTA (the (m, l) pairs through shared memory, warpgroup 1's
+weighted accumulator handed to warpgroup 0 in [64, 64] chunks), so one partial a split leaves it.
 
 Measured (H200, bench/RESULTS.md 2026-12-03): correct on the GPU, but 1.5-1.9x SLOWER than the
 Triton split kernel at every split shape (GPU busy, split + merge: 1 x 4k 22.7 against 14.2 us,
@@ -40,24 +41,32 @@ in shared memory before the P V product (0 * NaN would poison the row), their sc
 Layouts: q [N, Hq, D] bf16; caches [S1, M, KVH, D] (or layer stacks [A, S1, M, KVH, D]) bf16;
 info [B, 4] int32 = (n keys, slot, seq_len, chunk) with n = 0 for slot-0 and empty requests;
 query_start_loc [B+1] int32
-  -> opart [B, KVH, 2 S, 64, D] float32, lse [B, KVH, 2 S, 64] float32 (m + log2 l, log2 units;
+  -> opart [B, KVH, S, 64, D] float32, lse [B, KVH, S, 64] float32 (m + log2 l, log2 units;
      -1e30 where no key was visible). CTAs whose split is empty (and those of slot-0 or empty
      requests) write nothing: the combine masks them.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.pallas import triton as pltriton
 from jaxspec.ops import packing
+from jaxspec.pallas.tiles import next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROWS = 64                 # wgmma M: the Q tile, scores and accumulator of a warpgroup
-WARPGROUPS = 2            # consumer warpgroups a CTA, one partial each
+WARPGROUPS = 2            # consumer warpgroups a CTA
 NEG = -1e30
 LOG2E = 1.4426950408889634
 OUT_COLS = 64             # the f32 partial leaves through shared memory in [64, 64] column chunks
+# Registers a thread (setmaxnreg): 3 warpgroups share 64K, 168 each by default, and a consumer's
+# [64, 256] float32 accumulator alone is 128 of them, so without the split the consumers spilled
+# (ncu, 2026-12-03: ~1.6M local loads + stores a call at 1 x 32k). 2 x 232 + 40 = 504 <= 512.
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 def supports(q, k_cache, t_max, block_k, stages) -> bool:
@@ -92,9 +101,10 @@ def _accumulate(acc, a, b_ref, a_ref=None):
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
-def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s, v_s, o_s, lse_s, *refs,
+def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s, v_s, o_s, lse_s, ml_s, *refs,
             rep, block_k, stages, scale, layer, interpret):
-    p_s, (info_bar, q_bar, k_bar, v_bar, k_free, v_free) = (refs[0] if interpret else None), refs[-6:]
+    p_s = refs[0] if interpret else None
+    info_bar, q_bar, k_bar, v_bar, k_free, v_free, ml_bar, chunk_ready, chunk_taken = refs[-9:]
     r, g, s = jax.lax.axis_index("r"), jax.lax.axis_index("g"), jax.lax.axis_index("s")
     wg = jax.lax.axis_index("wg")
     d = k_ref.shape[-1]
@@ -112,6 +122,8 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
 
     @pl.when((blocks > 0) & (wg == 2))
     def _producer():
+        if not interpret:
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         plgpu.copy_gmem_to_smem(q_ref.at[r, g], q_s, q_bar.at[0])
 
         def fetch(b, wait_free):
@@ -136,12 +148,13 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
 
     @pl.when((blocks > 0) & (wg < 2))
     def _consumer():
+        if not interpret:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         plgpu.barrier_wait(q_bar.at[0])
         wgmma = plgpu.Layout.WGMMA
-        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 0, layout=wgmma)
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=wgmma)
-        pos = seq_len + row // rep                                       # [64, block_k] query positions
-        key_row = plgpu.broadcasted_iota(jnp.int32, (block_k, d), 0, layout=wgmma)
+        # The masks' iotas are made where they are used: hoisted [64, 64] and [64, D] int32 tiles
+        # would hold ~200 registers a thread through the loop (ptxas spilled them, ncu 2026-12-03).
+        pos = seq_len + plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=wgmma.reduce(1)) // rep   # [64]
 
         def body(i, carry):
             acc, m, l = carry
@@ -156,8 +169,9 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
 
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, block_k), F32))
             plgpu.barrier_arrive(k_free.at[st])
-            keys = k0 + col
-            sc = jnp.where((keys <= pos) & (keys < hi), sc * scale, -jnp.inf)
+            last = jnp.minimum(pos, hi - 1) - k0                          # [64] each row's last key, in the block
+            col = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_k), 1, layout=wgmma)
+            sc = jnp.where(col <= jax.lax.broadcast_in_dim(last, sc.shape, [0]), sc * scale, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(sc, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, sc.shape, [0]))
@@ -167,6 +181,7 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
 
             @pl.when(k0 + block_k > hi)                   # keys past the split end: zero their V rows
             def _zero_tail():
+                key_row = plgpu.broadcasted_iota(jnp.int32, (block_k, d), 0, layout=wgmma)
                 v_s[st] = jnp.where(key_row < hi - k0, v_s[st], jnp.zeros((block_k, d), BF16))
                 plgpu.commit_smem()
 
@@ -177,23 +192,65 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
         row_vec = lambda x: plgpu.layout_cast(jnp.full((ROWS,), x, F32), wgmma.reduce(1))
         init = (plgpu.layout_cast(jnp.zeros((ROWS, d), F32), wgmma), row_vec(NEG), row_vec(0.0))
         acc, m, l = jax.lax.fori_loop(0, (blocks - wg + 1) // 2, body, init)
-        live = l > 0
-        o = acc * jax.lax.broadcast_in_dim(1.0 / jnp.where(live, l, 1.0), acc.shape, [0])
-        lse_s[wg] = jnp.where(live, m + jnp.log2(jnp.where(live, l, 1.0)), NEG)
-        split = WARPGROUPS * s + wg
+        # Merge the two warpgroups' partials here (one partial a split leaves the CTA): both publish
+        # (m, l) and weigh their accumulator by 2^(m - m_all) / l_all; warpgroup 1 hands its weighted
+        # accumulator over in [64, 64] chunks through o_s[1], warpgroup 0 adds its own and stores.
+        ml_s[wg, 0] = m
+        ml_s[wg, 1] = l
+        plgpu.barrier_arrive(ml_bar.at[0])
+        plgpu.barrier_wait(ml_bar.at[0])
+        m_other, l_other = ml_s[1 - wg, 0], ml_s[1 - wg, 1]
+        m_all = jnp.maximum(m, m_other)
+        w_self, w_other = jnp.exp2(m - m_all), jnp.exp2(m_other - m_all)      # 0 for a warpgroup with no key
+        l_all = l * w_self + l_other * w_other
+        live = l_all > 0
+        o = acc * jax.lax.broadcast_in_dim(w_self / jnp.where(live, l_all, 1.0), acc.shape, [0])
         for c in range(d // OUT_COLS):
-            if c:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_s[wg] = o[:, c * OUT_COLS:(c + 1) * OUT_COLS]
+            chunk = o[:, c * OUT_COLS:(c + 1) * OUT_COLS]
+
+            @pl.when(wg == 1)
+            def _hand_over():
+                o_s[1] = chunk
+                plgpu.barrier_arrive(chunk_ready.at[c])
+                plgpu.barrier_wait(chunk_taken.at[c])      # o_s[1] is free again
+
+            @pl.when(wg == 0)
+            def _store():
+                plgpu.barrier_wait(chunk_ready.at[c])
+                total = chunk + o_s[1]
+                plgpu.barrier_arrive(chunk_taken.at[c])
+                if c:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_s[0] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_s.at[0], opart_ref.at[r, g, s, :, pl.ds(c * OUT_COLS, OUT_COLS)])
+
+        @pl.when(wg == 0)
+        def _store_lse():
+            lse_s[...] = jnp.where(live, m_all + jnp.log2(jnp.where(live, l_all, 1.0)), NEG)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s.at[wg], opart_ref.at[r, g, split, :, pl.ds(c * OUT_COLS, OUT_COLS)])
-        plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[r, g, split])
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[r, g, s])
+            plgpu.wait_smem_to_gmem(0)
 
 
-def gather_queries(q, query_start_loc, t_max, kv_heads):
-    """q tiles [B, KVH, 64, D]: row t * rep + j of tile (r, g) is q[start_r + t, g * rep + j], zero
-    past the request's length and past t_max * rep."""
+def _gather_kernel(qsl_ref, q_ref, tiles_ref, *, rep, t_max, d_pad):
+    """Tile (r, g) of the query tiles (Triton lowering): its 64 rows gathered from q by one masked
+    [64, d_pad] load and stored whole (zeros past the window)."""
+    r, g = pl.program_id(0), pl.program_id(1)
+    start = qsl_ref[r]
+    row = jnp.arange(ROWS, dtype=jnp.int32)
+    tok = row // rep
+    valid = (tok < qsl_ref[r + 1] - start) & (row < t_max * rep)
+    cols = jnp.arange(d_pad, dtype=jnp.int32)
+    cmask = cols < q_ref.shape[-1]
+    rows_q = jnp.where(valid, start + tok, 0)
+    x = pltriton.load(q_ref.at[rows_q[:, None], (g * rep + row % rep)[:, None], cols[None, :]],
+                      mask=valid[:, None] & cmask[None, :], other=0)
+    pltriton.store(tiles_ref.at[r, g, row[:, None], cols[None, :]], x, mask=cmask[None, :])
+
+
+def gather_queries_reference(q, query_start_loc, t_max, kv_heads):
+    """gather_queries in jnp (XLA: a gather, transpose and pad fusion)."""
     _, hq, d = q.shape
     rep = hq // kv_heads
     rows, _ = packing.to_padded(q, query_start_loc, t_max)                          # [B, T, Hq, D]
@@ -201,9 +258,23 @@ def gather_queries(q, query_start_loc, t_max, kv_heads):
     return jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - t_max * rep), (0, 0)))
 
 
+def gather_queries(q, query_start_loc, t_max, kv_heads, interpret=False):
+    """q tiles [B, KVH, 64, D]: row t * rep + j of tile (r, g) is q[start_r + t, g * rep + j], zero
+    past the request's length and past t_max * rep. A Pallas (Triton) kernel: XLA's fusion of the
+    same gather, transpose and pad took 2.4 us at batch 1 and 7.0 us at batch 8 (H200, 2026-12-03)."""
+    _, hq, d = q.shape
+    b = query_start_loc.shape[0] - 1
+    kernel = functools.partial(_gather_kernel, rep=hq // kv_heads, t_max=t_max, d_pad=next_pow2(d))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, kv_heads, ROWS, d), q.dtype), grid=(b, kv_heads),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="attention_verify_gather_q",
+    )(query_start_loc, q)
+
+
 def split_partials(q, k_cache, v_cache, info, query_start_loc, t_max, *, num_splits, block_k=64, stages=2,
                    layer=None, interpret=False):
-    """(opart [B, KVH, 2 num_splits, 64, D] f32, lse [B, KVH, 2 num_splits, 64] f32); see the module
+    """(opart [B, KVH, num_splits, 64, D] f32, lse [B, KVH, num_splits, 64] f32); see the module
     docstring for info [B, 4] int32."""
     if not supports(q, k_cache, t_max, block_k, stages):
         raise ValueError(f"attention_verify_mosaic: unsupported q {q.shape} {q.dtype}, k_cache {k_cache.shape} "
@@ -212,7 +283,10 @@ def split_partials(q, k_cache, v_cache, info, query_start_loc, t_max, *, num_spl
     max_len, kvh = k_cache.shape[-3:-1]
     b = info.shape[0]
     rep = q.shape[1] // kvh
-    q_tiles = gather_queries(q, query_start_loc, t_max, kvh)
+    # Interpret mode takes XLA's gather: the Triton-interpreted gather in the same jit as the
+    # Mosaic-interpreted split kernel left the latter's warpgroup threads waiting at a barrier
+    # forever (jax 0.11.2, CPU; each alone passes its tests)
+    q_tiles = (gather_queries_reference if interpret else gather_queries)(q, query_start_loc, t_max, kvh)
     blocked = lambda c: c.reshape(*c.shape[:-3], max_len // block_k, block_k, *c.shape[-2:])
     # wgmma operands in 128-byte swizzled 8 x 64 tiles (flash-attention-3's layout; Mosaic's inference
     # picks the same, stated here)
@@ -223,17 +297,21 @@ def split_partials(q, k_cache, v_cache, info, query_start_loc, t_max, *, num_spl
         plgpu.SMEM((stages, block_k, d), BF16, **swizzled),
         plgpu.SMEM((stages, block_k, d), BF16, **swizzled),
         plgpu.SMEM((WARPGROUPS, ROWS, OUT_COLS), F32),
-        plgpu.SMEM((WARPGROUPS, ROWS), F32),
+        plgpu.SMEM((ROWS,), F32),
+        plgpu.SMEM((WARPGROUPS, 2, ROWS), F32),
         *([plgpu.SMEM((WARPGROUPS, ROWS, block_k), BF16, **swizzled)] if interpret else []),   # P (interpret mode only)
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=1),
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=1),
+        plgpu.Barrier(num_barriers=d // OUT_COLS),
+        plgpu.Barrier(num_barriers=d // OUT_COLS),
     ]
     kernel = plgpu.kernel(
         lambda *refs: _kernel(*refs, rep=rep, block_k=block_k, stages=stages,
                               scale=d ** -0.5 * LOG2E, layer=layer, interpret=interpret),
-        out_type=(jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS, d), F32),
-                  jax.ShapeDtypeStruct((b, kvh, WARPGROUPS * num_splits, ROWS), F32)),
+        out_type=(jax.ShapeDtypeStruct((b, kvh, num_splits, ROWS, d), F32),
+                  jax.ShapeDtypeStruct((b, kvh, num_splits, ROWS), F32)),
         scratch_types=scratch, grid=(b, kvh, num_splits), grid_names=("r", "g", "s"),
         num_threads=WARPGROUPS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
