@@ -120,8 +120,9 @@ class AttentionVerifyConfig:
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
     split_kernel: "triton" (default) or "mosaic": where the call splits, the Mosaic GPU split kernel
       (jaxspec/pallas/attention_verify_mosaic.py: bf16, M a multiple of 64, t_max * Hq / KVH <= 64;
-      block_k 64, num_stages = its K / V slots, 2) computes the partials; 1.5-1.9x slower than the
-      Triton one on the H200 (2026-12-03), kept as the warp-specialised starting point.
+      block_k 64, num_stages = its K / V slots, 2) computes the partials; the path is 1.2-1.35x
+      the Triton one's GPU time on the H200 (2026-12-03, second session), kept as the
+      warp-specialised starting point.
     """
     block_k: int | None = None
     block_d: int | None = None

@@ -16,20 +16,19 @@ or exponentiates while the other waits for its data. Each keeps its own m, l and
 the end the two are merged in the CTA (the (m, l) pairs through shared memory, warpgroup 1's
 weighted accumulator handed to warpgroup 0 in [64, 64] chunks), so one partial a split leaves it.
 
-Measured (H200, bench/RESULTS.md 2026-12-03): correct on the GPU, but 1.5-1.9x SLOWER than the
-Triton split kernel at every split shape (GPU busy, split + merge: 1 x 4k 22.7 against 14.2 us,
-8 x 1k 36.9 against 20.2, 1 x 32k 80.9 against 44.9). So it is opt-in
-(`AttentionVerifyConfig(split_kernel="mosaic")`), not the default. The likely cause: at D 256 a
-64-key K + V block is 64 KB, so shared memory holds two slots, one a warpgroup; a slot is refilled
-only when its warpgroup has finished with it, so each warpgroup waits a full load latency every
-block and about one block is in flight per SM (Triton's three stages keep two). 32-key blocks with
-four slots need the tail block's V zeroing on a 32-row register tile, which Mosaic in jax 0.11.2
-does not lay out for a swizzled tile (see gdn_apply_mosaic's notes).
+Measured (H200, bench/RESULTS.md 2026-12-03, second session): correct on the GPU; the whole path
+(info, q gather, split, combine) 1.2-1.35x the Triton path's GPU time at every split shape (1 x 4k
+17.5 against 14.1 us, 8 x 1k 25.7 against 20.3, 1 x 32k 53.0 against 44.7), the split kernel alone
+1.1-1.2x Triton's. So it is opt-in (`AttentionVerifyConfig(split_kernel="mosaic")`), not the
+default. Its first version spilled (3 warpgroups share 64K registers: 168 a thread, the consumers'
+[64, 256] float32 accumulator is 128); setmaxnreg (232 / 40) and making the masks' iotas inside
+the loop took it from 1.5-1.9x to this. ptxas still spills a few values in the key loop.
 
 Rows: as in the Triton kernel, row i = t * rep + j (window token t, q head g * rep + j) of a
 [64, D] tile (wgmma M = 64). Mosaic's TMA into a wgmma (swizzled) tile needs a row offset it can
-prove a multiple of 8, which a request's start in q is not, so the wrapper gathers q into
-[B, KVH, 64, D] (one XLA fusion; rows past the window zero); each request's scalars come
+prove a multiple of 8, which a request's start in q is not (nor are the per-token destination
+rows t * rep), so a small Triton kernel gathers q into [B, KVH, 64, D] tiles (rows past the
+window zero); each request's scalars come
 as one 16-byte TMA row of `info`. For the same reason the caches are viewed as [.., M / 64, 64, KVH, D]
 (free) so that a key block is one integer index: M must be a multiple of 64.
 
