@@ -4,7 +4,7 @@ A split-free or cluster-merged verify attention reads a request's K and V with a
 programs instead of one a SM; this measures what such a design can hope for. Each of G programs
 reads its contiguous share of a [rows, 256] bf16 array (512 bytes a row, a K cache row at D 256) in
 blocks of `block_rows` rows:
-* triton (`--configs block_rows:num_stages`): Pallas, Triton lowering, masked-free pointer loads,
+* triton (`--configs block_rows:num_stages`): Pallas, Triton lowering, unmasked pointer loads,
   summed; writes one [256] float32 row a program (checked against XLA's sum);
 * tma (`--tma-configs block_rows:slots`): Mosaic GPU, one warpgroup keeping `slots` TMA copies in
   flight (a slot is refilled as soon as its copy lands; nothing computes); writes its last block
