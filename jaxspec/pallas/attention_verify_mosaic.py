@@ -28,9 +28,9 @@ Rows: as in the Triton kernel, row i = t * rep + j (window token t, q head g * r
 [64, D] tile (wgmma M = 64). Mosaic's TMA into a wgmma (swizzled) tile needs a row offset it can
 prove a multiple of 8, which a request's start in q is not (nor are the per-token destination
 rows t * rep), so a small Triton kernel gathers q into [B, KVH, 64, D] tiles (rows past the
-window zero); each request's scalars come
-as one 16-byte TMA row of `info`. For the same reason the caches are viewed as [.., M / 64, 64, KVH, D]
-(free) so that a key block is one integer index: M must be a multiple of 64.
+window zero); each request's scalars come as one 16-byte TMA row of `info`. For the same reason
+the caches are viewed as [.., M / 64, 64, KVH, D] (free) so that a key block is one integer index:
+M must be a multiple of 64.
 
 Masks: scores of keys >= the split end or past the row's position (causal) are -inf, m starts at a
 finite -1e30. TMA reads whole blocks, so the block that holds the request's last key also brings
@@ -205,18 +205,18 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
         live = l_all > 0
         o = acc * jax.lax.broadcast_in_dim(w_self / jnp.where(live, l_all, 1.0), acc.shape, [0])
         for c in range(d // OUT_COLS):
-            chunk = o[:, c * OUT_COLS:(c + 1) * OUT_COLS]
+            part = o[:, c * OUT_COLS:(c + 1) * OUT_COLS]
 
             @pl.when(wg == 1)
             def _hand_over():
-                o_s[1] = chunk
+                o_s[1] = part
                 plgpu.barrier_arrive(chunk_ready.at[c])
                 plgpu.barrier_wait(chunk_taken.at[c])      # o_s[1] is free again
 
             @pl.when(wg == 0)
             def _store():
                 plgpu.barrier_wait(chunk_ready.at[c])
-                total = chunk + o_s[1]
+                total = part + o_s[1]
                 plgpu.barrier_arrive(chunk_taken.at[c])
                 if c:
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
