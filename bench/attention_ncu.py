@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from attention_kernel import cache_len  # noqa: E402  (bench/: the script directory is on sys.path)
 from jaxspec.pallas import attention_verify as pav  # noqa: E402
 
 T, HQ, KVH, D = 8, 24, 4, 256
@@ -29,7 +30,7 @@ def main(argv=None):
     batch, ctx = (int(x) for x in args.shape.split(":"))
     fields = dict(kv.split("=") for kv in args.config.split(",") if kv)
     config = pav.AttentionVerifyConfig(**{k: v if k == "split_kernel" else int(v) for k, v in fields.items()})
-    m = -(-(ctx + 16) // 64) * 64
+    m = cache_len(ctx)
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (batch * T, HQ, D), jnp.bfloat16)
     kc = jax.random.normal(ks[1], (batch + 1, m, KVH, D), jnp.bfloat16)
