@@ -29,7 +29,8 @@ result is checked against the reference (or dpa where the reference is skipped) 
 
 `--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
 `--sweep-configs 32:3:4,16:4:4:64,mosaic:2` (block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d
-[:combine_warps]]]], or mosaic[:num_stages[:min_split]] for the Mosaic split kernel, or default) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
+[:combine_warps]]]], then any name=value fields such as partial_dtype=bfloat16; or mosaic[:num_stages[:min_split]] for
+the Mosaic split kernel, or default) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
 adds the GPU times to each sweep row.
 
 `--layer-stack`: per shape, also L calls (L = the number of cycled copies) in one jitted function
@@ -65,15 +66,23 @@ def cache_len(ctx):
 
 def sweep_config(text):
     """'32:3:4:64' -> the AttentionVerifyConfig fields block_k, num_stages, num_warps, min_split,
-    target_programs, combine_block_d, combine_warps in that order; 'mosaic[:stages[:min_split]]' -> the
-    Mosaic split kernel; 'default' -> the default config."""
+    target_programs, combine_block_d, combine_warps in that order, then any name=value fields
+    ('32:2:4:64:264:partial_dtype=bfloat16'; values that read as integers are integers);
+    'mosaic[:stages[:min_split]]' -> the Mosaic split kernel; 'default' -> the default config."""
     head, *rest = text.split(":")
     if head == "default":
         return {}
     if head == "mosaic":
         return dict(split_kernel="mosaic", **dict(zip(("num_stages", "min_split"), (int(v) for v in rest))))
-    return dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
-                     "combine_warps"), (int(v) for v in text.split(":"))))
+    tokens = text.split(":")
+    named = [t for t in tokens if "=" in t]
+    positional = [int(t) for t in tokens if "=" not in t]
+    cfg = dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
+                    "combine_warps"), positional))
+    for item in named:
+        name, value = item.split("=", 1)
+        cfg[name] = int(value) if value.lstrip("-").isdigit() else value
+    return cfg
 
 
 def parse(argv=None):

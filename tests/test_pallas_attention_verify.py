@@ -7,6 +7,8 @@ rows must be finite and match, slot-0 and padding rows must be exactly 0. The ca
 every position no request may read (past each slot's last window position, other slots, the null
 slot), so a read past the loop bound or of an overhanging block shows up as NaN.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,7 @@ def small_case(dtype, heads, D, seed, poison=True, n_pad=5):
 CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)                         # M = 100: overhanging last block
 CFG_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, combine_block_d=32)
 CFG_WIDE_SPLIT = pav.AttentionVerifyConfig(block_k=64, num_splits=2, num_stages=3)
+CFG_BF16_PARTIALS = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, partial_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -103,6 +106,18 @@ def test_verify_interpret(heads, D, dtype):
     check(case, run_kernel(case, T_MAX, CFG_SINGLE, interpret=True), TOL[dtype])
     check(case, run_kernel(case, T_MAX, CFG_SPLIT, interpret=True), TOL[dtype])
     check(case, run_kernel(case, T_MAX, CFG_WIDE_SPLIT, interpret=True), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_verify_interpret_bf16_partials(dtype):
+    """Three splits whose partials are stored in bfloat16: within the bfloat16 tolerance of the
+    oracle, and the same as the float32-partials path up to one bfloat16 rounding of each partial."""
+    case = small_case(dtype, (12, 2), 64, seed=29)
+    o_bf16 = run_kernel(case, T_MAX, CFG_BF16_PARTIALS, interpret=True)
+    check(case, o_bf16, TOL[jnp.bfloat16])
+    o_f32 = run_kernel(case, T_MAX, dataclasses.replace(CFG_BF16_PARTIALS, partial_dtype="float32"), interpret=True)
+    oracle.assert_close(np.asarray(o_bf16.astype(jnp.float32)), np.asarray(o_f32.astype(jnp.float32)), 8e-3,
+                        "bf16 against f32 partials")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -160,9 +175,11 @@ def test_config_validation():
                        ("num_splits", 513), ("min_split", 24), ("min_split", 8), ("target_programs", 0),
                        ("block_d", 8), ("block_d", 48), ("num_warps", 3), ("num_stages", 0), ("num_stages", 5),
                        ("combine_block_d", 48),
-                       ("combine_warps", 32)]:
+                       ("combine_warps", 32), ("partial_dtype", "float16")]:
         with pytest.raises(ValueError, match=field):
             pav.AttentionVerifyConfig(**{field: bad})
+    with pytest.raises(ValueError, match="partial_dtype"):
+        pav.AttentionVerifyConfig(split_kernel="mosaic", partial_dtype="bfloat16")
     cfg = pav.AttentionVerifyConfig()
     # the benchmark shape (T 8, GQA 6 -> 64 rows, D 256): batch 64 fills the SMs without splitting
     plan = cfg.resolve(64, 4, 4112, 64, 256, jnp.bfloat16)
@@ -180,6 +197,9 @@ def test_config_validation():
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.float32)["block_d"] == 16                # chunks inside D
     assert cfg.resolve(2, 2, 100, 16, 72, jnp.float32)["block_d"] == 128               # one masked chunk
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.bfloat16)["block_d"] == 128
+    assert split["partial_dtype"] == jnp.bfloat16 and f32["partial_dtype"] == jnp.float32     # the input's
+    assert pav.AttentionVerifyConfig(partial_dtype="float32").resolve(8, 4, 1040, 64, 256, jnp.bfloat16)[
+        "partial_dtype"] == jnp.float32
     assert pav.combine_tile_rows(64, 33, 64) == 2                                   # 64 x 2 x 64 tile
     assert pav.combine_tile_rows(64, 66, 64) == 1                                   # 128 x 1 x 64
 
@@ -318,8 +338,10 @@ def check_device(garbage, poisoned, t_max, config=None, tol=1.5e-2):
 @pytest.mark.parametrize("B,M,cfg", [
     (64, 4096 - 5, None), (3, 4096 - 5, None), (1, 20000, None), (40, 1000, None),
     (64, 4096 - 5, dict(block_k=32, num_stages=3)), (64, 4096 - 5, dict(num_warps=4)),
-    (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128))],
-    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7"])
+    (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
+    (8, 3000, dict(num_splits=7, min_split=64, partial_dtype="bfloat16")),
+    (1, 20000, dict(partial_dtype="bfloat16"))],
+    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "split7-bf16-partials", "b1-20k-bf16-partials"])
 def test_verify_gpu_bench_heads(B, M, cfg):
     """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts."""
     garbage, poisoned = device_case(B + M, B, 8, M)

@@ -32,8 +32,8 @@ and to keep every SM streaming:
   blocks that overhang M: the Triton lowering does not) are not loaded (zeros) and score -inf, and
   the causal mask key <= p applies per row. m starts at -1e30 (finite), so a row with no visible
   key yet gets p = exp2(-inf - m) = 0 and no NaN.
-* num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (float32) and
-  lse_s = m + log2 l [R] for the real rows; a second kernel, grid (B, KVH, row tiles x column
+* num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (in the input
+  dtype by default: `partial_dtype`) and lse_s = m + log2 l [R] (float32) for the real rows; a second kernel, grid (B, KVH, row tiles x column
   tiles), loads every split's lse and o of its [rows, columns] tile at once (one masked 3-D load,
   [pow2(num_splits), rows, cols] of ~8192 values: all of them in flight together, no serial loop
   over splits), and writes o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max) packed; empty
@@ -70,7 +70,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas import attention_verify_mosaic as avm
-from jaxspec.pallas.tiles import is_pow2, next_pow2
+from jaxspec.pallas.tiles import gqa_row_map, is_pow2, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
@@ -81,6 +81,7 @@ NUM_SMS = 132             # H200
 NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
 LOG2E = 1.4426950408889634
 SPLIT_KERNELS = ("triton", "mosaic")
+PARTIAL_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,13 @@ class AttentionVerifyConfig:
       block_k 64, num_stages = its K / V slots, 2) computes the partials; the path is 1.2-1.35x
       the Triton one's GPU time on the H200 (2026-12-03, second session), kept as the
       warp-specialised starting point.
+    partial_dtype: None, "float32" or "bfloat16": the dtype in which the Triton split kernel stores
+      its normalised partials o_s = acc / l for the merge (lse stays float32). None: the input's
+      dtype. bfloat16 halves the partials' bytes (written by the split kernel, read by the
+      combine), as vLLM's and FlashInfer's split-KV kernels keep theirs in the output dtype, at
+      one extra bfloat16 rounding (relative 2^-9) before the merge: on the H200 it took the GPU
+      time of 1 x 4k / 8 x 1k / 1 x 1k (T 8, 24 / 4 heads, D 256) from 14.1 / 20.2 / 10.0 to
+      13.0 / 18.7 / 9.5 us (2026-12-03, fourth session). The Mosaic split kernel stores float32.
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -134,6 +142,7 @@ class AttentionVerifyConfig:
     combine_block_d: int = 64
     combine_warps: int = 4
     split_kernel: str = "triton"
+    partial_dtype: str | None = None
 
     def __post_init__(self):
         name = type(self).__name__
@@ -157,6 +166,11 @@ class AttentionVerifyConfig:
             raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
         if self.split_kernel not in SPLIT_KERNELS:
             raise ValueError(f"{name}.split_kernel={self.split_kernel!r}: must be one of {SPLIT_KERNELS}")
+        if self.partial_dtype is not None and self.partial_dtype not in PARTIAL_DTYPES:
+            raise ValueError(f"{name}.partial_dtype={self.partial_dtype!r}: must be one of {PARTIAL_DTYPES}")
+        if self.split_kernel == "mosaic" and self.partial_dtype not in (None, "float32"):
+            raise ValueError(f"{name}.partial_dtype={self.partial_dtype!r}: the Mosaic split kernel "
+                             "(split_kernel='mosaic') stores float32 partials only")
 
     def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
         """The launch plan of a call (all static)."""
@@ -181,7 +195,7 @@ class AttentionVerifyConfig:
         combine_d = min(self.combine_block_d, d_pad)
         return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
                     num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
-                    combine_warps=self.combine_warps)
+                    combine_warps=self.combine_warps, partial_dtype=jnp.dtype(self.partial_dtype or dtype))
 
 
 def combine_tile_rows(rows: int, partials: int, combine_d: int) -> int:
@@ -252,11 +266,6 @@ def _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_spl
     return split_range(seq_lens_ref[slot], length, max_len, num_splits, block_k, min_split)
 
 
-def _row_map(i, rep, t_max, g):
-    """Window token t, q head and in-window flag of tile rows i = t * rep + j of kv head g."""
-    return i // rep, g * rep + i % rep, i < t_max * rep
-
-
 def _write_rows(o_ref, vals, start, tok, head, valid, cols, cmask):
     """o[start + tok, head, cols] = vals on valid rows (masked lanes point past the array)."""
     n_tok = o_ref.shape[0]
@@ -296,7 +305,7 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
     # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
     lay = () if layer is None else (jnp.int32(layer),)
     start, length, slot = _request(qsl_ref, slots_ref, r)
-    tok, head, in_win = _row_map(jnp.arange(rows, dtype=jnp.int32), rep, t_max, g)
+    tok, head, in_win = gqa_row_map(jnp.arange(rows, dtype=jnp.int32), rep, t_max, g)
     valid = in_win & (tok < length)
     f32_dots = q_ref.dtype == jnp.float32
     precision = jax.lax.Precision.HIGHEST if f32_dots else None
@@ -356,7 +365,7 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
             opart_ref, lse_ref = refs[-2:]
             for c, acc in enumerate(accs):
                 plgpu.store(opart_ref.at[r, g, s, pl.ds(0, rows), pl.ds(c * block_d, block_d)],
-                            acc * inv[:, None], mask=valid[:, None])
+                            (acc * inv[:, None]).astype(opart_ref.dtype), mask=valid[:, None])
             lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), NEG)
             plgpu.store(lse_ref.at[r, g, s, pl.ds(0, rows)], lse, mask=valid)
 
@@ -382,7 +391,7 @@ def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs,
     i0 = (t // col_tiles) * combine_rows
     c0 = (t % col_tiles) * combine_d
     start, length, slot = _request(qsl_ref, slots_ref, r)
-    tok, head, in_win = _row_map(i0 + jnp.arange(combine_rows, dtype=jnp.int32), rep, t_max, g)
+    tok, head, in_win = gqa_row_map(i0 + jnp.arange(combine_rows, dtype=jnp.int32), rep, t_max, g)
     valid = in_win & (tok < length)
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
@@ -395,7 +404,7 @@ def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs,
         live = ((split < pl.cdiv(n, chunk)) & (split < num_splits))[:, None] & valid[None, :]
         lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows)], mask=live, other=NEG)
         o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
-                         mask=live[:, :, None] & cmask[None, None, :], other=0)
+                         mask=live[:, :, None] & cmask[None, None, :], other=0).astype(F32)
         w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])               # [splits, rows]; 0 for empty splits
         o = jnp.sum(w[:, :, None] * o_s, axis=0) / jnp.sum(w, axis=0)[:, None]
         _write_rows(o_ref, o, start, tok, head, valid, cols, cmask)
@@ -480,7 +489,7 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     else:
         opart, lse = pl.pallas_call(
             kernel,
-            out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), F32),
+            out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), plan["partial_dtype"]),
                        jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
             grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
             name="attention_verify_split",

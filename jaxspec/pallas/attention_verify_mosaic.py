@@ -54,7 +54,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 from jaxspec.ops import packing
-from jaxspec.pallas.tiles import next_pow2
+from jaxspec.pallas.tiles import gqa_row_map, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 ROWS = 64                 # wgmma M: the Q tile, scores and accumulator of a warpgroup
@@ -238,12 +238,12 @@ def _gather_kernel(qsl_ref, q_ref, tiles_ref, *, rep, t_max, d_pad):
     r, g = pl.program_id(0), pl.program_id(1)
     start = qsl_ref[r]
     row = jnp.arange(ROWS, dtype=jnp.int32)
-    tok = row // rep
-    valid = (tok < qsl_ref[r + 1] - start) & (row < t_max * rep)
+    tok, head, in_win = gqa_row_map(row, rep, t_max, g)
+    valid = in_win & (tok < qsl_ref[r + 1] - start)
     cols = jnp.arange(d_pad, dtype=jnp.int32)
     cmask = cols < q_ref.shape[-1]
     rows_q = jnp.where(valid, start + tok, 0)
-    x = pltriton.load(q_ref.at[rows_q[:, None], (g * rep + row % rep)[:, None], cols[None, :]],
+    x = pltriton.load(q_ref.at[rows_q[:, None], head[:, None], cols[None, :]],
                       mask=valid[:, None] & cmask[None, :], other=0)
     pltriton.store(tiles_ref.at[r, g, row[:, None], cols[None, :]], x, mask=cmask[None, :])
 

@@ -21,6 +21,13 @@ def next_pow2(v) -> int:
     return 1 << max(0, (int(v) - 1).bit_length())
 
 
+def gqa_row_map(i, rep, t_max, g):
+    """(window token, q head, in-window flag) of the rows i = t * rep + j of kv head g's stacked
+    query tile: the verify attention kernels stack a request's window tokens t and the rep q
+    heads j of a GQA group as the rows of one tile."""
+    return i // rep, g * rep + i % rep, i < t_max * rep
+
+
 def split_bf16(x):
     """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (residual ~2^-17 |x|): the operand split
     that gives float32-accurate products on the bf16 tensor cores."""
