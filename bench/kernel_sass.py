@@ -2,8 +2,9 @@
 
 Lowers a kernel case for an abstract H200 (tests/gpu_lowering.py), captures the Triton IR that
 Pallas hands to XLA, compiles it for sm_90 with the pip `triton` package (its own ptxas and
-cuobjdump ship in the wheel), and prints per kernel: registers, shared memory, local memory
-(spills), and every loop (a backward branch) with its instruction count and op mix. Per-element
+cuobjdump ship in the wheel), and prints per kernel: registers, shared memory (static, and
+DYNAMIC_SHARED: the bytes Triton asks at launch, which with 228 KB an SM set the programs an SM),
+local memory (spills), and every loop (a backward branch) with its instruction count and op mix. Per-element
 costs follow by hand: e.g. the bf16 lane top-k's main loop (8 steps x 4 lanes a thread = 32
 elements) is 592 instructions, 364 of them VIMNMX (2026-12-02, third session).
 
@@ -146,7 +147,8 @@ def compile_sass(name, ir, num_warps, num_stages, out):
         f.write(sass)
     usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", base + ".cubin"],
                            capture_output=True, text=True, check=True).stdout
-    return sass, next((line.strip() for line in usage.splitlines() if "REG:" in line), "")
+    res = next((line.strip() for line in usage.splitlines() if "REG:" in line), "")
+    return sass, f"{res} DYNAMIC_SHARED:{kernel.metadata.shared}"
 
 
 def opcode(instr):
