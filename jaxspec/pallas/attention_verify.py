@@ -127,8 +127,8 @@ class AttentionVerifyConfig:
     partial_dtype: None, "float32" or "bfloat16": the dtype in which the Triton split kernel stores
       its normalised partials o_s = acc / l for the merge (lse stays float32). None: the input's
       dtype. bfloat16 halves the partials' bytes (written by the split kernel, read by the
-      combine), as vLLM's and FlashInfer's split-KV kernels keep theirs in the output dtype, at
-      one extra bfloat16 rounding (relative 2^-9) before the merge: on the H200 it took the GPU
+      combine), as vLLM's paged attention v2 keeps its partials in the output dtype, at one
+      extra bfloat16 rounding (relative 2^-9) before the merge: on the H200 it took the GPU
       time of 1 x 4k / 8 x 1k / 1 x 1k (T 8, 24 / 4 heads, D 256) from 14.1 / 20.2 / 10.0 to
       13.0 / 18.7 / 9.5 us (2026-12-03, fourth session). The Mosaic split kernel stores float32.
     """
