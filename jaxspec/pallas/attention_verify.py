@@ -23,7 +23,7 @@ and to keep every SM streaming:
   of the request, n = min(seq_len + len, M) the keys that exist (nothing past the request's last
   position is read: the loop bound comes from seq_lens, not from M). chunk is computed in the
   kernel per request: cdiv(n, num_splits) rounded up to block_k, at least `min_split` keys, so a
-  short context uses fewer, fuller splits, and a program whose split is empty exits at once.
+  short context uses fewer, fuller splits, and a program whose split is empty reads no key.
   num_splits (static) = 132 // (B * KVH), at least 1: with one resident program per SM (the K/V
   pipeline buffers take 96-192 KB of shared memory at D 256) B * KVH * num_splits <= 132 programs
   is one full wave (batch 1: 33 splits, batch 8: 4, batch >= 33: 1, where the kernel writes o).
@@ -33,11 +33,13 @@ and to keep every SM streaming:
   the causal mask key <= p applies per row. m starts at -1e30 (finite), so a row with no visible
   key yet gets p = exp2(-inf - m) = 0 and no NaN.
 * num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (in the input
-  dtype by default: `partial_dtype`) and lse_s = m + log2 l [R] (float32) for the real rows; a second kernel, grid (B, KVH, row tiles x column
-  tiles), loads every split's lse and o of its [rows, columns] tile at once (one masked 3-D load,
-  [pow2(num_splits), rows, cols] of ~8192 values: all of them in flight together, no serial loop
-  over splits), and writes o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max) packed; empty
-  splits are masked out (lse = -1e30, weight 0).
+  dtype by default: `partial_dtype`) and lse_s = m + log2 l [R] (float32) for the real rows; a
+  program whose split is empty runs no key block and writes o_s = 0, lse_s = -1e30. A second
+  kernel, grid (B, KVH, row tiles x column tiles), loads every split's lse and o of its [rows,
+  columns] tile at once (one masked 3-D load, [pow2(num_splits), rows, cols] of ~8192 values: all
+  of them in flight together, no serial loop over splits, addressed by the program id alone, so
+  issued beside the request's scalars rather than after them), and writes o = sum_s 2^(lse_s -
+  max) o_s / sum_s 2^(lse_s - max) packed; an empty split weighs 0.
 * Whichever kernel writes the output (the main one when num_splits == 1, else the combine) also
   writes its zeros: the rows of slot-0 requests, and the padding rows [query_start_loc[B], N),
   which are split evenly over the B programs of each kv head (no zero-fill pass over o, no extra
@@ -262,10 +264,6 @@ def split_range(seq_len, length, max_len, num_splits, block_k, min_split):
     return n, jnp.maximum(chunk, min_split)
 
 
-def _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split):
-    return split_range(seq_lens_ref[slot], length, max_len, num_splits, block_k, min_split)
-
-
 def _write_rows(o_ref, vals, start, tok, head, valid, cols, cmask):
     """o[start + tok, head, cols] = vals on valid rows (masked lanes point past the array)."""
     n_tok = o_ref.shape[0]
@@ -314,11 +312,11 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
     cmasks = [cols < d for cols in chunks]
     tail = len(chunks) * block_d != d                                   # one chunk, masked
 
-    n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
+    n, chunk = split_range(seq_lens_ref[slot], length, max_len, num_splits, block_k, min_split)
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, n)
 
-    @pl.when((slot > 0) & (length > 0) & (lo < n))
+    @pl.when((slot > 0) & (length > 0))
     def _():
         q_tok = jnp.where(valid, start + tok, 0)
 
@@ -356,6 +354,7 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
 
         init = (tuple(jnp.zeros((rows, block_d), F32) for _ in chunks),
                 jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+        # an empty split (lo >= n: hi - lo <= 0, no block) stores o_s = 0 and lse = NEG like any other
         accs, m, l = jax.lax.fori_loop(0, pl.cdiv(hi - lo, block_k), body, init)
         inv = 1.0 / jnp.where(l > 0, l, 1.0)
         if final:
@@ -381,32 +380,35 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
             _zero_padding(o_ref, qsl_ref, r, num_requests, g, rep, rows, cols, cm)
 
 
-def _combine_kernel(qsl_ref, slots_ref, seq_lens_ref, opart_ref, lse_ref, *refs, num_requests, t_max,
-                    rep, rows, d, combine_d, combine_rows, block_k, num_splits, min_split, max_len):
+def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests, t_max, rep, rows, d, combine_d,
+                    combine_rows, num_splits):
     """Merge the splits of rows [i0, i0 + combine_rows) x columns [c0, c0 + combine_d) of one
-    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols])."""
+    (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols]).
+
+    Every split of a live request wrote its lse (NEG where its key range was empty), so the loads
+    depend on the program id alone and are issued at once, beside the request's scalars, not after
+    a chain qsl, slots -> seq_lens -> key range; a zero weight selects an empty split's o_s away
+    (the Mosaic split kernel leaves it unwritten)."""
     o_ref = refs[-1]
     r, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     col_tiles = pl.cdiv(d, combine_d)
     i0 = (t // col_tiles) * combine_rows
     c0 = (t % col_tiles) * combine_d
-    start, length, slot = _request(qsl_ref, slots_ref, r)
     tok, head, in_win = gqa_row_map(i0 + jnp.arange(combine_rows, dtype=jnp.int32), rep, t_max, g)
-    valid = in_win & (tok < length)
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
-    s_pad = next_pow2(num_splits)
+    split = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
+    stored = (split < num_splits)[:, None] & in_win[None, :]                   # [splits, rows] in bounds
+    lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, split.shape[0]), pl.ds(i0, combine_rows)], mask=stored, other=NEG)
+    o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, split.shape[0]), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
+                     mask=stored[:, :, None] & cmask[None, None, :], other=0).astype(F32)
+    start, length, slot = _request(qsl_ref, slots_ref, r)
+    valid = in_win & (tok < length)
 
     @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
     def _():
-        n, chunk = _key_range(seq_lens_ref, slot, length, max_len, num_splits, block_k, min_split)
-        split = jnp.arange(s_pad, dtype=jnp.int32)
-        live = ((split < pl.cdiv(n, chunk)) & (split < num_splits))[:, None] & valid[None, :]
-        lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows)], mask=live, other=NEG)
-        o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, s_pad), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
-                         mask=live[:, :, None] & cmask[None, None, :], other=0).astype(F32)
-        w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])               # [splits, rows]; 0 for empty splits
-        o = jnp.sum(w[:, :, None] * o_s, axis=0) / jnp.sum(w, axis=0)[:, None]
+        w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])[:, :, None]        # [splits, rows, 1]; 0: empty split
+        o = jnp.sum(jnp.where(w > 0, w * o_s, 0), axis=0) / jnp.sum(w, axis=0)
         _write_rows(o_ref, o, start, tok, head, valid, cols, cmask)
 
     @pl.when((slot == 0) & (length > 0))
@@ -463,11 +465,9 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     ints = (query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), seq_lens.astype(jnp.int32))
     o_shape = jax.ShapeDtypeStruct((n, hq, d), q.dtype)
     extra = () if o_buffer is None else (o_buffer,)
-    common = dict(num_requests=b, t_max=t_max, rep=rep, rows=rows, block_k=plan["block_k"],
-                  num_splits=num_splits, min_split=plan["min_split"])
-
-    kernel = functools.partial(_verify_kernel, d=d, d_pad=d_pad, block_d=plan["block_d"],
-                               scale=d ** -0.5 * LOG2E, final=final, layer=layer, **common)
+    kernel = functools.partial(_verify_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d, d_pad=d_pad,
+                               block_d=plan["block_d"], block_k=plan["block_k"], num_splits=num_splits,
+                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final, layer=layer)
     main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if final:
         return pl.pallas_call(
@@ -496,12 +496,12 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
         )(*ints, q, k_cache, v_cache)
     combine_d = plan["combine_d"]
     combine_rows = combine_tile_rows(rows, num_splits, combine_d)
-    combine = functools.partial(_combine_kernel, d=d, combine_d=combine_d, combine_rows=combine_rows,
-                                max_len=max_len, **common)
+    combine = functools.partial(_combine_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d,
+                                combine_d=combine_d, combine_rows=combine_rows, num_splits=num_splits)
     tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
     return pl.pallas_call(
         combine, out_shape=o_shape, grid=(b, kvh, tiles),
-        input_output_aliases={} if o_buffer is None else {5: 0},
+        input_output_aliases={} if o_buffer is None else {4: 0},
         compiler_params=plgpu.CompilerParams(num_warps=plan["combine_warps"], num_stages=1),
         interpret=interpret, name="attention_verify_combine",
-    )(*ints, opart, lse, *extra)
+    )(*ints[:2], opart, lse, *extra)

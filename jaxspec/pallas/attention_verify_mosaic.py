@@ -42,7 +42,7 @@ info [B, 4] int32 = (n keys, slot, seq_len, chunk) with n = 0 for slot-0 and emp
 query_start_loc [B+1] int32
   -> opart [B, KVH, S, 64, D] float32, lse [B, KVH, S, 64] float32 (m + log2 l, log2 units;
      -1e30 where no key was visible). CTAs whose split is empty (and those of slot-0 or empty
-     requests) write nothing: the combine masks them.
+     requests) write lse = -1e30 alone: the combine weighs them 0 and selects their o away.
 """
 from __future__ import annotations
 
@@ -118,6 +118,13 @@ def _kernel(info_ref, q_ref, k_ref, v_ref, opart_ref, lse_ref, info_s, q_s, k_s,
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, n)
     blocks = jnp.where(lo < n, pl.cdiv(hi - lo, block_k), 0)
+
+    @pl.when((blocks == 0) & (wg == 0))
+    def _empty_split():         # lse -1e30 says so to the combine (which reads no key range of its own)
+        lse_s[...] = plgpu.layout_cast(jnp.full((ROWS,), NEG, F32), plgpu.Layout.WGMMA.reduce(1))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[r, g, s])
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when((blocks > 0) & (wg == 2))
     def _producer():
