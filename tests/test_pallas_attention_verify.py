@@ -339,11 +339,12 @@ def check_device(garbage, poisoned, t_max, config=None, tol=1.5e-2):
     (64, 4096 - 5, None), (3, 4096 - 5, None), (1, 20000, None), (40, 1000, None),
     (64, 4096 - 5, dict(block_k=32, num_stages=3)), (64, 4096 - 5, dict(num_warps=4)),
     (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
-    (8, 3000, dict(num_splits=7, min_split=64, partial_dtype="bfloat16")),
-    (1, 20000, dict(partial_dtype="bfloat16"))],
-    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "split7-bf16-partials", "b1-20k-bf16-partials"])
+    (8, 3000, dict(num_splits=7, min_split=64, partial_dtype="float32")),
+    (1, 20000, dict(partial_dtype="float32"))],
+    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "split7-f32-partials", "b1-20k-f32-partials"])
 def test_verify_gpu_bench_heads(B, M, cfg):
-    """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts."""
+    """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts; the split
+    cases store bfloat16 partials (the default for bf16 input) unless they ask for float32."""
     garbage, poisoned = device_case(B + M, B, 8, M)
     check_device(garbage, poisoned, 8, None if cfg is None else pav.AttentionVerifyConfig(**cfg))
 
