@@ -69,12 +69,11 @@ def sweep_config(text):
     target_programs, combine_block_d, combine_warps in that order, then any name=value fields
     ('32:2:4:64:264:partial_dtype=bfloat16'; values that read as integers are integers);
     'mosaic[:stages[:min_split]]' -> the Mosaic split kernel; 'default' -> the default config."""
-    head, *rest = text.split(":")
-    if head == "default":
-        return {}
-    if head == "mosaic":
-        return dict(split_kernel="mosaic", **dict(zip(("num_stages", "min_split"), (int(v) for v in rest))))
     tokens = text.split(":")
+    if tokens[0] == "default":
+        return {}
+    if tokens[0] == "mosaic":
+        return dict(split_kernel="mosaic", **dict(zip(("num_stages", "min_split"), (int(v) for v in tokens[1:]))))
     named = [t for t in tokens if "=" in t]
     positional = [int(t) for t in tokens if "=" not in t]
     cfg = dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",

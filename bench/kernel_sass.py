@@ -4,8 +4,8 @@ Lowers a kernel case for an abstract H200 (tests/gpu_lowering.py), captures the 
 Pallas hands to XLA, compiles it for sm_90 with the pip `triton` package (its own ptxas and
 cuobjdump ship in the wheel), and prints per kernel: registers, shared memory (static, and
 DYNAMIC_SHARED: the bytes Triton asks at launch, which with 228 KB an SM set the programs an SM),
-local memory (spills), and every loop (a backward branch) with its instruction count and op mix. Per-element
-costs follow by hand: e.g. the bf16 lane top-k's main loop (8 steps x 4 lanes a thread = 32
+local memory (spills), and every loop (a backward branch) with its instruction count and op mix.
+Per-element costs follow by hand: e.g. the bf16 lane top-k's main loop (8 steps x 4 lanes a thread = 32
 elements) is 592 instructions, 364 of them VIMNMX (2026-12-02, third session).
 
 Needs `pip install triton==3.6.0` in the venv that has jax (the device image's Triton version).
