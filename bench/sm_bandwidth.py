@@ -9,8 +9,12 @@ blocks of `block_rows` rows:
 * tma (`--tma-configs block_rows:slots`): Mosaic GPU, one warpgroup keeping `slots` TMA copies in
   flight (a slot is refilled as soon as its copy lands; nothing computes); writes its last block
   back (checked against the input).
-The time is the GPU's busy time of the kernel (profiler trace), the rate = bytes read / time, per
-program = rate / G.
+The time is the GPU's busy time of the kernel (profiler trace), a call's share of R calls on R
+distinct arrays in one jitted function (R * size >= --min-set-mb, so that L2, 60 MB, holds none of
+them at the small sizes), the rate = bytes read / time, per program = rate / G. `--mb` takes a list
+(MiB; a program's share is rounded to whole blocks, the bytes read are printed): e.g. the K + V
+bytes of the verify attention shapes 1 x 1k, 1 x 4k, 8 x 1k (4.03, 16.03, 32.25 MiB) give the least
+time a kernel of each kind takes just to read them.
 
 Usage (GPU machine): PYTHONPATH=$PWD python3 bench/sm_bandwidth.py --out $OUT
 Writes DIR/sm_bandwidth.json and prints a table.
@@ -27,7 +31,8 @@ D = 256
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=float, default=64.0, help="MB read a call (spread over the programs)")
+    ap.add_argument("--mb", default="64", help="MiB read a call, spread over the programs; a list")
+    ap.add_argument("--min-set-mb", type=float, default=512.0, help="distinct arrays cycled: at least this many MiB")
     ap.add_argument("--programs", default="16,32,64,132,264")
     ap.add_argument("--configs", default="64:2,64:3,64:4,128:3,32:4", help="block_rows:num_stages,...")
     ap.add_argument("--tma-configs", default="64:2,64:4,64:6,128:3", help="block_rows:slots,... ('' skips)")
@@ -92,19 +97,25 @@ def main(argv=None):
     cases = [("triton", cfg, triton_case) for cfg in args.configs.split(",") if cfg]
     cases += [("tma", cfg, tma_case) for cfg in args.tma_configs.split(",") if cfg]
     results = []
-    for g in (int(v) for v in args.programs.split(",")):
-        for mode, cfg, make in cases:
-            block_rows, depth = (int(v) for v in cfg.split(":"))
-            rows_per_program = max(block_rows, int(args.mb * 2**20 / (2 * D) / g) // block_rows * block_rows)
-            fn, x, ok = make(g, block_rows, depth, rows_per_program)
-            busy = benchutil.gpu_kernel_times(fn, x, calls=10).get("busy_us")
-            nbytes = x.size * 2
-            rate = nbytes / (busy * 1e-6) if busy else None
-            row = dict(mode=mode, programs=g, block_rows=block_rows, depth=depth, bytes=nbytes, busy_us=busy,
-                       tb_s=rate and rate / 1e12, gb_s_per_program=rate and rate / g / 1e9, ok=ok)
-            results.append(row)
-            print(f"{mode:6s} G {g:4d} block {block_rows:4d} x {depth} deep: {busy:8.1f} us, "
-                  f"{row['tb_s']:.2f} TB/s, {row['gb_s_per_program']:.1f} GB/s a program, ok {ok}", flush=True)
+    for mb in (float(v) for v in args.mb.split(",")):
+        for g in (int(v) for v in args.programs.split(",")):
+            for mode, cfg, make in cases:
+                block_rows, depth = (int(v) for v in cfg.split(":"))
+                rows_per_program = max(block_rows, round(mb * 2**20 / (2 * D) / g / block_rows) * block_rows)
+                fn, x, ok = make(g, block_rows, depth, rows_per_program)
+                n_sets = max(1, -(-int(args.min_set_mb * 2**20) // (x.size * 2)))
+                xs = [x] + [x + i for i in range(1, n_sets)]                 # distinct buffers
+                cycled = jax.jit(lambda xs: [fn(v) for v in xs])
+                busy = benchutil.gpu_kernel_times(cycled, xs, calls=5).get("busy_us")
+                busy = busy and busy / n_sets
+                nbytes = x.size * 2
+                rate = nbytes / (busy * 1e-6) if busy else None
+                row = dict(mode=mode, programs=g, block_rows=block_rows, depth=depth, bytes=nbytes, sets=n_sets,
+                           busy_us=busy, tb_s=rate and rate / 1e12, gb_s_per_program=rate and rate / g / 1e9, ok=ok)
+                results.append(row)
+                print(f"{mode:6s} {nbytes / 2**20:7.2f} MiB G {g:4d} block {block_rows:4d} x {depth} deep: "
+                      f"{busy:8.2f} us, {row['tb_s']:.2f} TB/s, {row['gb_s_per_program']:.1f} GB/s a program, ok {ok}",
+                      flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sm_bandwidth.json"), "w") as f:
         json.dump(results, f, indent=1)
