@@ -105,7 +105,7 @@ def main(argv=None):
                 fn, x, ok = make(g, block_rows, depth, rows_per_program)
                 n_sets = max(1, -(-int(args.min_set_mb * 2**20) // (x.size * 2)))
                 xs = [x] + [x + i for i in range(1, n_sets)]                 # distinct buffers
-                cycled = jax.jit(lambda xs: [fn(v) for v in xs])
+                cycled = jax.jit(lambda xs, fn=fn: [fn(v) for v in xs])
                 busy = benchutil.gpu_kernel_times(cycled, xs, calls=5).get("busy_us")
                 busy = busy and busy / n_sets
                 nbytes = x.size * 2
