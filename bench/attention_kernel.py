@@ -45,7 +45,6 @@ Writes DIR/attention_bench.json and DIR/attention_bench.md (DIR = --out, default
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -195,11 +194,7 @@ def main(args):
         return us / n_layers, gpu["busy_us"] / n_layers if gpu else None
 
     def count_sets(cache_bytes):
-        """Cache copies cycled per dispatch: >= --min-calls and >= --min-set-mb of data, within
-        --max-sets and --max-sets-gb (then one dispatch holds several calls' GPU work, so the
-        host's dispatch does not set the pace)."""
-        n = max(args.min_calls, math.ceil(args.min_set_mb * 2**20 / cache_bytes))
-        return max(1, min(n, args.max_sets, int(args.max_sets_gb * 2**30 // cache_bytes)))
+        return benchutil.cycled_sets(cache_bytes, args.min_calls, args.min_set_mb, args.max_sets, args.max_sets_gb)
 
     def launch_fn(q, *_):
         """A Pallas kernel that reads q and writes o's bytes (zeros): the least one kernel costs."""

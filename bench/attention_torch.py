@@ -20,8 +20,8 @@ Backends:
 Every attention output is checked against the math backend in float32 with the same mask where
 that fits (relative max error printed).
 
-Timing: R distinct K / V sets cycled (the same rule as attention_kernel.py: >= 8 sets and >= 512
-MB, <= 16 sets and <= 32 GB), so L2 (60 MB) holds none of them; two untimed rounds, then a
+Timing: R distinct K / V sets cycled (`benchutil.cycled_sets`, as in attention_kernel.py: >= 8 sets
+and >= 512 MiB, <= 16 sets and <= 32 GiB), so L2 (60 MB) holds none of them; two untimed rounds, then a
 torch.profiler trace of `--calls` rounds; GPU busy = the kernels' summed durations a call (memcpy
 and memset left out, as benchutil.gpu_kernel_times does), GPU span = first kernel start to last
 kernel end a call. The kernel names tell which algorithm ran (e.g. flash's split-KV kernels).
@@ -31,9 +31,10 @@ Writes DIR/attention_torch.json and prints a table.
 """
 import argparse
 import json
-import math
 import os
 import statistics
+
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
 DEFAULT_SHAPES = "1:1024,1:4096,1:32768,8:1024,8:4096,8:32768,64:1024,64:4096,64:32768,128:1024,128:4096,128:32768"
 BACKENDS = ("flash_gqa", "read", "flash", "cudnn", "efficient")
@@ -98,7 +99,7 @@ def main(argv=None):
         B, ctx = (int(v) for v in shape.split(":"))
         n = ctx + T
         kv_bytes = 2 * B * n * KVH * D * 2
-        n_sets = max(1, min(max(8, math.ceil(512 * 2**20 / kv_bytes)), 16, int(32 * 2**30 // kv_bytes)))
+        n_sets = benchutil.cycled_sets(kv_bytes)
         gen = torch.Generator(device=dev).manual_seed(B * 100003 + ctx)
         sets = [(torch.randn(B, Hq, T, D, device=dev, dtype=torch.bfloat16, generator=gen),
                  torch.randn(2, B, n, KVH, D, device=dev, dtype=torch.bfloat16, generator=gen)) for _ in range(n_sets)]

@@ -4,6 +4,7 @@ memory) written to and read back from DIR/copy_bw_torch.json, the floor bandwidt
 GPU's own kernel times from a profiler trace."""
 import glob
 import json
+import math
 import os
 import statistics
 import sys
@@ -105,6 +106,15 @@ def copy_bandwidths(out_dir) -> dict[str, float]:
 def floor_bandwidth(copies: dict[str, float]) -> tuple[str, float]:
     """(name, bytes/s) of the fastest copy: the floors divide by it (the strictest floor)."""
     return max(copies.items(), key=lambda kv: kv[1])
+
+
+def cycled_sets(nbytes, min_calls=8, min_set_mb=512.0, max_sets=16, max_sets_gb=32.0) -> int:
+    """How many distinct copies of an `nbytes` working set to cycle in one timing: at least
+    `min_calls` and at least `min_set_mb` MiB in all (so L2, 60 MB, holds none of them, and one
+    dispatch holds enough GPU work to outlast the host's next one), within `max_sets` copies and
+    `max_sets_gb` GiB."""
+    n = max(min_calls, math.ceil(min_set_mb * 2**20 / nbytes))
+    return max(1, min(n, max_sets, int(max_sets_gb * 2**30 // nbytes)))
 
 
 def gpu_kernel_times(fn, *args, calls=5) -> dict:
