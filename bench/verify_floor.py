@@ -56,14 +56,10 @@ import os
 import numpy as np
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+from attention_kernel import cache_len  # the benchmark's cache length M of a context
 
 T, KVH, D, ROWS = 8, 4, 256, 64          # window, kv heads, head dim, query rows a CTA (8 x GQA 6 = 48 real)
 MODES = ("read", "split", "cluster", "dsmem", "barrier")
-
-
-def cache_len(ctx):
-    """M of a context: its window's 8 keys and 8 spare, rounded up to 64."""
-    return -(-(ctx + 16) // 64) * 64
 
 
 def plan(ctx, block_k):
