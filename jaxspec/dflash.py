@@ -186,4 +186,4 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
         x = x + _dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
         x = x + _mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, 1:], p["norm"], c.rms_norm_eps)
-    return jnp.dot(x, lm_head(target), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(x, lm_head(target), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32), state

@@ -131,11 +131,13 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
 
     # draft (features score the distribution, never the drawn token: non-anticipation)
     # one argmax pass and one exp-sum pass give the drafts (greedy), q's normaliser and the feature
-    draft_logits = proposer.propose(state.proposer, anchors, slots, ctx_len)[:, :t - 1]
-    dist = sampling.draft_distribution(draft_logits, params.temperature)
-    drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
-    features = estimator.distribution_features(dist)
-    _, survival = estimator.predict(state.estimator, features)
+    with jax.named_scope("draft"):
+        draft_logits, proposer_state = proposer.propose(state.proposer, anchors, slots, ctx_len)
+        dist = sampling.draft_distribution(draft_logits[:, :t - 1], params.temperature)
+        drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
+    with jax.named_scope("estimator"):
+        features = estimator.distribution_features(dist)
+        _, survival = estimator.predict(state.estimator, features)
 
     # plan: drafts to verify per request, and the packed layout of the verify
     tier_index = None
@@ -143,39 +145,46 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
         lengths = jnp.full((s,), t - 1, jnp.int32)
         tier = s * t
     else:
-        if tier is None:
-            tier_index = _device_tier(plan, active, tiers, t - 1)
-            tier = jnp.asarray(tiers, jnp.int32)[tier_index]
-        budget = tier - jnp.sum(active, dtype=jnp.int32)
-        lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
+        with jax.named_scope("plan"):
+            if tier is None:
+                tier_index = _device_tier(plan, active, tiers, t - 1)
+                tier = jnp.asarray(tiers, jnp.int32)[tier_index]
+            budget = tier - jnp.sum(active, dtype=jnp.int32)
+            lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
     lengths = jnp.where(active, lengths, 0)
 
     def verify_commit(layout_tier, cache, proposer_state):
         """Verify the planned windows in a layout of `layout_tier` tokens (static), accept,
         commit, and feed the committed rows to the draft."""
-        tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
-        logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots,
-                                                  proposer.taps, impl=impl)
-        logits = layout.unpack_rows(logits, query_start_loc, t)                                # [S, T, vocab]
-        probs, ids = _target_rows(logits, params, greedy, max_top_k)
-        accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths, params.temperature)
-        accepted = jnp.where(force_accept, lengths, accepted)
-        cache = target_mod.commit(cache, slots, accepted, impl=impl)
-        request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
-        proposer_state = proposer.observe(proposer_state, tokens, hidden, ctx_len[request] + pos, slots[request],
-                                          valid & (pos <= accepted[request]))
+        with jax.named_scope("verify"):
+            tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
+            logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots,
+                                                      proposer.taps, impl=impl)
+        with jax.named_scope("accept"):
+            logits = layout.unpack_rows(logits, query_start_loc, t)                            # [S, T, vocab]
+            probs, ids = _target_rows(logits, params, greedy, max_top_k)
+            accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths,
+                                                       params.temperature)
+            accepted = jnp.where(force_accept, lengths, accepted)
+        with jax.named_scope("commit"):
+            cache = target_mod.commit(cache, slots, accepted, impl=impl)
+        with jax.named_scope("draft_context"):
+            request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
+            proposer_state = proposer.observe(proposer_state, tokens, hidden, ctx_len[request] + pos,
+                                              slots[request], valid & (pos <= accepted[request]))
         return cache, proposer_state, accepted, bonus, emitted
 
     if mode != "compact":
-        out = verify_commit(s * t, state.cache, state.proposer)
+        out = verify_commit(s * t, state.cache, proposer_state)
     elif tier_index is None:
-        out = verify_commit(tier, state.cache, state.proposer)
+        out = verify_commit(tier, state.cache, proposer_state)
     else:
-        out = jax.lax.switch(tier_index, [partial(verify_commit, tt) for tt in tiers], state.cache, state.proposer)
+        out = jax.lax.switch(tier_index, [partial(verify_commit, tt) for tt in tiers], state.cache, proposer_state)
     cache, proposer_state, accepted, bonus, emitted = out
+    with jax.named_scope("estimator"):
+        estimator_state = estimator.observe(state.estimator, features, lengths, accepted)
     state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
-                          keys=state.keys.at[slots].set(key_next),
-                          estimator=estimator.observe(state.estimator, features, lengths, accepted))
+                          keys=state.keys.at[slots].set(key_next), estimator=estimator_state)
     return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
@@ -187,13 +196,16 @@ def _decode(state: EngineState, target: Target, proposer, slots, plan, force_acc
     s = slots.shape[0]
     keys = jax.vmap(lambda k: jax.random.split(k, 2))(state.keys[slots])
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
-    logits, _, cache = target_mod.verify(target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32),
-                                         slots, (), impl=impl)
-    probs, ids = _target_rows(logits[:, None], params, greedy, max_top_k)
-    none = jnp.zeros((s,), jnp.int32)
-    accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None, none,
-                                               params.temperature)
-    cache = target_mod.commit(cache, slots, accepted, impl=impl)
+    with jax.named_scope("verify"):
+        logits, _, cache = target_mod.verify(target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32),
+                                             slots, (), impl=impl)
+    with jax.named_scope("accept"):
+        probs, ids = _target_rows(logits[:, None], params, greedy, max_top_k)
+        none = jnp.zeros((s,), jnp.int32)
+        accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None,
+                                                   none, params.temperature)
+    with jax.named_scope("commit"):
+        cache = target_mod.commit(cache, slots, accepted, impl=impl)
     state = state.replace(cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1]))
     return state, emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
 
@@ -335,12 +347,39 @@ class Engine:
         survival = old[1] if plans else self._costs[2]
         return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
 
+    def forced_step(self, batch, tier, *, prompt_len=8, seed=0):
+        """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
+        verified draft accepted; mode none: one token) and returns its emitted tokens [S, T].
+
+        The engine's state is reset and `batch` random prompts of `prompt_len` tokens are
+        prefilled into slots 1..batch; every call advances them by one step, so at most
+        (max_len - prompt_len) // window calls fit. Used by `profile` and by benchmarks that trace
+        a step."""
+        if not 1 <= batch <= self.spec.num_slots:
+            raise ValueError(f"batch: {batch} is not in 1..num_slots={self.spec.num_slots}")
+        if tier not in self.tier_tokens or tier < batch:
+            raise ValueError(f"tier: {tier} is not one of this engine's tiers >= batch {batch}: {self.tier_tokens}")
+        rng = np.random.default_rng(seed)
+        slots = np.zeros(self.spec.num_slots, np.int32)
+        slots[:batch] = np.arange(1, batch + 1)
+        self.state = self._init_state()
+        prompts = rng.integers(0, self.target.config.vocab_size, (batch, prompt_len)).astype(np.int32)
+        self.state, _ = self._prefill(self.state, self.target, self.proposer, jnp.asarray(prompts),
+                                      jnp.full((batch,), prompt_len, jnp.int32), jnp.asarray(slots[:batch]),
+                                      jnp.zeros((batch, 2), jnp.uint32), SamplingParams.create(batch))
+
+        def run():
+            self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, slots, None,
+                                                 np.bool_(True), greedy=True, tier=tier)
+            return emitted
+
+        return run
+
     def profile(self, batches, *, repeats=10, prompt_len=8, seed=0) -> CostTable:
         """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
         accepted) and return the cost table the planner reads. The engine's state is reset."""
         if self.proposer is None:
             raise ValueError("profile: verify_mode 'none' has no tiers to profile")
-        rng = np.random.default_rng(seed)
         entries = {}
         calls = repeats + 1
         if prompt_len + calls * self.window > self.spec.max_len:
@@ -349,23 +388,14 @@ class Engine:
         for batch in batches:
             if not 1 <= batch <= self.spec.num_slots:
                 raise ValueError(f"batches: {batch} is not in 1..num_slots={self.spec.num_slots}")
-            slots = np.zeros(self.spec.num_slots, np.int32)
-            slots[:batch] = np.arange(1, batch + 1)
             for tier in self.tier_tokens:
                 if tier < batch:
                     continue
-                self.state = self._init_state()
-                prompts = rng.integers(0, self.target.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-                params = SamplingParams.create(batch)
-                self.state, _ = self._prefill(self.state, self.target, self.proposer, jnp.asarray(prompts),
-                                              jnp.full((batch,), prompt_len, jnp.int32), jnp.asarray(slots[:batch]),
-                                              jnp.zeros((batch, 2), jnp.uint32), params)
+                step = self.forced_step(batch, tier, prompt_len=prompt_len, seed=seed)
                 times = []
                 for _ in range(calls):
                     start = time.perf_counter()
-                    self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, slots,
-                                                         None, np.bool_(True), greedy=True, tier=tier)
-                    jax.block_until_ready(emitted)
+                    jax.block_until_ready(step())
                     times.append(time.perf_counter() - start)
                 entries[(batch, tier)] = float(np.median(times[1:]))       # the first call compiles
         self.state = self._init_state()

@@ -8,8 +8,10 @@ A proposer is a static object whose device state is a pytree carried in the engi
     observe(state, tokens [R], hidden [R, n_taps, d], positions [R], slots [R], valid [R]) -> state
                               committed tokens enter its context (rows with valid False or slot 0
                               are ignored)
-    propose(state, anchors [B], slots [B], ctx_len [B]) -> logits [B, B_blk - 1, vocab] float32
-                              drafts are drawn from these logits by the engine
+    propose(state, anchors [B], slots [B], ctx_len [B]) -> (logits [B, B_blk - 1, vocab] float32, state)
+                              drafts are drawn from these logits by the engine; the returned state
+                              is what the step carries on (a draft may keep scratch in it, e.g. its
+                              block's K/V past the context, which later observes overwrite)
 
 Both methods are traced inside the engine's jitted step, so they must be pure jnp, and the
 proposer itself is a pytree (a flax struct dataclass) passed to the step as an argument, so its

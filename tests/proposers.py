@@ -46,13 +46,13 @@ class OracleProposer:
         soft = jnp.zeros((slots.shape[0], self.block_size - 1, vocab), jnp.float32)
         _, drafts, soft = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts, soft))
         if self.soft:
-            return soft
+            return soft, history
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
             slots, ctx_len)
         where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none
         bad = (drafts + 1 + jnp.arange(self.block_size - 1)[None, :]) % self.target.config.vocab_size
         drafts = jnp.where(jnp.arange(self.block_size - 1)[None, :] == where[:, None], bad, drafts)
-        return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0
+        return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0, history
 
 
 def random_draft(model, block_size, seed=0):

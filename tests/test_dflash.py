@@ -66,7 +66,7 @@ def test_propose_matches_uncached_float64_forward(window):
         state = dflash.write_context(draft, state, jnp.asarray(rows), jnp.asarray(np.tile(pos, 2)),
                                      jnp.asarray(np.repeat(slots, hi - lo)), jnp.asarray(valid))
     anchors = np.array([7, 300], np.int32)
-    logits = dflash.propose(draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens))
+    logits, _ = dflash.propose(draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens))
     assert logits.shape == (2, 4, 512)
     for r in range(2):
         want = _np_draft_logits(draft, target, hidden[r, :ctx_lens[r]], anchors[r], ctx_lens[r], window)

@@ -42,7 +42,7 @@ class ChainProposer:
             drafts.append(tok)
         drafts = jnp.stack(drafts, axis=1)
         scale = 2.0 + (drafts % 5).astype(jnp.float32) * 2.0
-        return jax.nn.one_hot(drafts, self.table.shape[0]) * scale[..., None]
+        return jax.nn.one_hot(drafts, self.table.shape[0]) * scale[..., None], state
 
 
 @pytest.fixture(scope="module")

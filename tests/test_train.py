@@ -194,8 +194,8 @@ def test_training_forward_equals_propose(window):
     state = dflash.write_context(draft, state, jnp.asarray(np.concatenate(rows)), jnp.asarray(np.concatenate(pos)),
                                  jnp.asarray(np.concatenate(slot), jnp.int32), jnp.ones(sum(map(len, pos)), bool))
     anchor_tokens = jnp.asarray(tokens[np.arange(2)[:, None], anchors].reshape(-1))
-    want = jax.jit(dflash.propose)(draft, target, state, anchor_tokens, jnp.arange(1, 7, dtype=jnp.int32),
-                                   jnp.asarray(anchors.reshape(-1)))
+    want, _ = jax.jit(dflash.propose)(draft, target, state, anchor_tokens, jnp.arange(1, 7, dtype=jnp.int32),
+                                      jnp.asarray(anchors.reshape(-1)))
     np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want), atol=1e-5, rtol=1e-5)
 
     # the loss weights position k by exp(-(k-1)/gamma) against token a + k
