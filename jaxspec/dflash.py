@@ -55,8 +55,9 @@ class Draft:
 
 @struct.dataclass
 class DraftState:
-    """Context K/V per draft layer: ctx_k, ctx_v [L_draft, S1, max_len, KVH, D]. Positions below
-    the target's seq_len of a slot are valid; the rest is garbage that later writes overwrite."""
+    """Context K/V per draft layer: ctx_k, ctx_v [L_draft, S1, max_len + block_size, KVH, D].
+    Positions below the target's seq_len of a slot are valid; `propose` writes its block's own K/V
+    just past them (scratch); the rest is garbage that later writes overwrite."""
 
     ctx_k: jnp.ndarray
     ctx_v: jnp.ndarray
@@ -132,7 +133,10 @@ def save_draft(path, draft: Draft) -> None:
 
 
 def init_state(config: DraftConfig, num_slots: int, max_len: int, dtype) -> DraftState:
-    shape = (config.num_hidden_layers, num_slots + 1, max_len, config.num_key_value_heads, config.head_dim)
+    """Zero context caches for `num_slots` slots of up to `max_len` committed tokens (and the block
+    past them)."""
+    shape = (config.num_hidden_layers, num_slots + 1, max_len + config.block_size, config.num_key_value_heads,
+             config.head_dim)
     return DraftState(ctx_k=jnp.zeros(shape, dtype), ctx_v=jnp.zeros(shape, dtype))
 
 
@@ -167,23 +171,25 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
     """Draft logits for one block per request.
 
     anchors [B] int32 (the last emitted token, at position ctx_len), slots [B], ctx_len [B] (the
-    slot's committed tokens = target seq_len) -> logits [B, block_size - 1, vocab] float32 for the
-    positions after the anchor.
+    slot's committed tokens = target seq_len) -> (logits [B, block_size - 1, vocab] float32 for the
+    positions after the anchor, state with the block's K/V written past each slot's context).
     """
     p, c = draft.params, draft.config
     blk = c.block_size
     tokens = jnp.concatenate([anchors[:, None], jnp.full((anchors.shape[0], blk - 1), c.mask_token_id, anchors.dtype)], 1)
     x = target.params["embed"][tokens].astype(p["fc"].dtype)                                  # [B, blk, d]
     positions = ctx_len[:, None] + jnp.arange(blk)[None, :]
+    ctx_k, ctx_v = state.ctx_k, state.ctx_v
     for li, layer in enumerate(p["layers"]):
         a = layer["attn"]
         xn = rms_norm_plain(x, layer["input_norm"], c.rms_norm_eps)
         q = _dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
         k, v = _kv(a, c, xn, positions)
-        o = attention.attention_block(q, state.ctx_k[li], state.ctx_v[li], ctx_len, slots, k, v, c.context_window,
-                                      impl=impl)
+        o, ctx_k, ctx_v = attention.attention_block(q, ctx_k, ctx_v, ctx_len, slots, k, v, c.context_window,
+                                                    layer=li, impl=impl)
         x = x + _dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
         x = x + _mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, 1:], p["norm"], c.rms_norm_eps)
-    return jnp.dot(x, lm_head(target), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32), state
+    logits = jnp.dot(x, lm_head(target), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return logits, DraftState(ctx_k=ctx_k, ctx_v=ctx_v)

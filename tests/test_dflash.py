@@ -46,8 +46,11 @@ def _np_draft_logits(draft, target, ctx_hidden, anchor, ctx_len, window):
     return norm(x[1:], p["norm"]) @ head
 
 
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
 @pytest.mark.parametrize("window", [0, 5], ids=["full-context", "window5"])
-def test_propose_matches_uncached_float64_forward(window):
+def test_propose_matches_uncached_float64_forward(window, impl):
+    """propose against the float64 forward; 'pallas' runs the block attention through the verify
+    kernel (interpret mode here)."""
     target = jaxspec.load_target(FIXTURE)
     config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=512, block_size=5, target_layer_ids=(0, 2, 3),
@@ -66,7 +69,8 @@ def test_propose_matches_uncached_float64_forward(window):
         state = dflash.write_context(draft, state, jnp.asarray(rows), jnp.asarray(np.tile(pos, 2)),
                                      jnp.asarray(np.repeat(slots, hi - lo)), jnp.asarray(valid))
     anchors = np.array([7, 300], np.int32)
-    logits, _ = dflash.propose(draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens))
+    logits, _ = dflash.propose(draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens),
+                               impl=impl)
     assert logits.shape == (2, 4, 512)
     for r in range(2):
         want = _np_draft_logits(draft, target, hidden[r, :ctx_lens[r]], anchors[r], ctx_lens[r], window)

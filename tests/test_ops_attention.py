@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import oracle
-from jaxspec.ops.attention import attention_prefill, attention_verify, kv_write
+from jaxspec.ops.attention import attention_block, attention_prefill, attention_verify, kv_write
 from jaxspec.ops.packing import to_packed, to_padded
 
 D = 16
@@ -72,6 +72,55 @@ def test_kv_write_attention_verify(heads):
             oracle.assert_close(o[rows], oracle.attention(q[rows], exp_kc[s], exp_vc[s], pos), TOL,
                                 f"o of request {r}")
     assert not o[qsl[-1]:].any(), "padding rows must output 0"
+
+
+# draft blocks: (slot, context length); slot 0 is a padding request, slot 3's block ends at M - 1
+BLOCK_REQUESTS = [(2, 9), (0, 4), (1, 0), (3, 18)]
+BLOCK_T, BLOCK_LAYERS = 6, 3
+
+
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+@pytest.mark.parametrize("window", [0, 5], ids=["all-context", "window5"])
+def test_attention_block(window, impl):
+    """The block's K/V land at ctx_len + t of layer 1 of the stacks (nothing else changes), every
+    block row reads [ctx_len - window or 0, ctx_len + T) against the float64 oracle, slot-0 rows
+    output 0. 'pallas' is the verify kernel (causal=False) in interpret mode, so the other
+    layers and the cache past each block hold NaN: a read there fails."""
+    Hq, KVH = 6, 2
+    rng = np.random.default_rng(70 + window)
+    slots = np.array([s for s, _ in BLOCK_REQUESTS], np.int32)
+    ctx = np.array([n for _, n in BLOCK_REQUESTS], np.int32)
+    B = len(BLOCK_REQUESTS)
+    q = rng.standard_normal((B, BLOCK_T, Hq, D)).astype(np.float32)
+    kb = rng.standard_normal((B, BLOCK_T, KVH, D)).astype(np.float32)
+    vb = rng.standard_normal((B, BLOCK_T, KVH, D)).astype(np.float32)
+    shape = (BLOCK_LAYERS, S1, M, KVH, D)
+    kc = np.full(shape, np.nan, np.float32)
+    vc = np.full(shape, np.nan, np.float32)
+    kc[1] = rng.standard_normal(shape[1:])
+    vc[1] = rng.standard_normal(shape[1:])
+    if impl == "ref":                            # the reference masks the whole cache: finite garbage
+        kc, vc = np.nan_to_num(kc, nan=30.0), np.nan_to_num(vc, nan=30.0)
+    else:
+        for s, n in BLOCK_REQUESTS:
+            kc[1, s, n + BLOCK_T:] = vc[1, s, n + BLOCK_T:] = np.nan
+    o, kc2, vc2 = attention_block(*map(jnp.asarray, (q, kc, vc, ctx, slots, kb, vb)), window, layer=1, impl=impl)
+    o, kc2, vc2 = map(np.asarray, (o, kc2, vc2))
+    exp_kc, exp_vc = kc.copy(), vc.copy()
+    for r, (s, n) in enumerate(BLOCK_REQUESTS):
+        if s:
+            exp_kc[1, s, n:n + BLOCK_T], exp_vc[1, s, n:n + BLOCK_T] = kb[r], vb[r]
+    np.testing.assert_array_equal(kc2, exp_kc, "k_cache'")
+    np.testing.assert_array_equal(vc2, exp_vc, "v_cache'")
+    assert o.shape == q.shape
+    for r, (s, n) in enumerate(BLOCK_REQUESTS):
+        if s == 0:
+            assert not o[r].any(), "slot-0 request must output 0"
+            continue
+        lo = max(0, n - window) if window else 0
+        last = np.full(BLOCK_T, n + BLOCK_T - 1 - lo)
+        want = oracle.attention(q[r], exp_kc[1, s, lo:], exp_vc[1, s, lo:], last)
+        oracle.assert_close(o[r], want, TOL, f"o of request {r}")
 
 
 # ------------------------------------------------------------------------------ packing

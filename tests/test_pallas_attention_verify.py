@@ -24,9 +24,10 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 
 
-def make_case(rng, lengths, slots, seq_lens, Hq, KVH, D, M, t_max, dtype, n_pad=3, poison=True):
+def make_case(rng, lengths, slots, seq_lens, Hq, KVH, D, M, t_max, dtype, n_pad=3, poison=True, key_window=0):
     """Random packed verify inputs. seq_lens [S1] per slot. With poison, every cache position no
-    request reads is NaN; otherwise it is large finite garbage (x30), as rejected tokens leave."""
+    request reads is NaN (with a key window, the positions before it too); otherwise it is large
+    finite garbage (x30), as rejected tokens leave."""
     lengths = np.asarray(lengths)
     slots = np.asarray(slots, np.int32)
     seq_lens = np.asarray(seq_lens, np.int32)
@@ -39,7 +40,7 @@ def make_case(rng, lengths, slots, seq_lens, Hq, KVH, D, M, t_max, dtype, n_pad=
     readable = np.zeros((s1, M), bool)
     for r, s in enumerate(slots):
         if s > 0 and lengths[r] > 0:
-            readable[s, :seq_lens[s] + lengths[r]] = True
+            readable[s, first_key(seq_lens[s], key_window):seq_lens[s] + lengths[r]] = True
     bad = np.nan if poison else 30.0
     k = np.where(readable[:, :, None, None], k, k * 30 if not poison else bad).astype(np.float32)
     v = np.where(readable[:, :, None, None], v, v * 30 if not poison else bad).astype(np.float32)
@@ -48,8 +49,14 @@ def make_case(rng, lengths, slots, seq_lens, Hq, KVH, D, M, t_max, dtype, n_pad=
                 slots=jnp.asarray(slots))
 
 
-def check(case, o, tol):
-    """o against the float64 oracle (real rows) and the contract (exact zeros elsewhere)."""
+def first_key(seq_len, key_window):
+    return max(0, seq_len - key_window) if key_window else 0
+
+
+def check(case, o, tol, causal=True, key_window=0):
+    """o against the float64 oracle (real rows) and the contract (exact zeros elsewhere). causal
+    False: every window row reads up to the window's last key; key_window: keys before
+    seq_len - key_window are not read."""
     f32 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32))
     q, k, v = f32(case["q"]), f32(case["k_cache"]), f32(case["v_cache"])
     qsl, slots, seq = (np.asarray(case[n]) for n in ("query_start_loc", "slots", "seq_lens"))
@@ -61,15 +68,17 @@ def check(case, o, tol):
         if s == 0:
             assert np.all(o[rows] == 0), f"slot-0 request {r} must output 0"
         elif n:
-            pos = seq[s] + np.arange(n)
-            oracle.assert_close(o[rows], oracle.attention(q[rows], k[s], v[s], pos), tol, f"o of request {r}")
+            lo = first_key(seq[s], key_window)
+            pos = seq[s] - lo + (np.arange(n) if causal else np.full(n, n - 1))
+            oracle.assert_close(o[rows], oracle.attention(q[rows], k[s, lo:], v[s, lo:], pos), tol,
+                                f"o of request {r}")
     assert np.all(o[qsl[-1]:] == 0), "padding rows must output 0"
 
 
-def run_kernel(case, t_max, config=None, interpret=None):
+def run_kernel(case, t_max, config=None, interpret=None, causal=True, key_window=0):
     nan_o = jnp.full(case["q"].shape, jnp.nan, case["q"].dtype)
     fn = jax.jit(lambda c, ob: pav.attention_verify(**c, t_max=t_max, config=config, interpret=interpret,
-                                                    o_buffer=ob))
+                                                    o_buffer=ob, causal=causal, key_window=key_window))
     return fn(case, nan_o)
 
 
@@ -138,6 +147,35 @@ def test_verify_interpret_all_null_and_padding():
     for cfg in (None, pav.AttentionVerifyConfig(num_splits=2, min_split=16)):
         o = np.asarray(run_kernel(case, 4, cfg, interpret=True))
         assert np.all(o == 0)
+
+
+# Draft blocks (causal=False, every request a whole block of 7): contexts of 0, short, long, near M;
+# a slot-0 request; key windows that cut the context (9), exceed it (200) or are off (0).
+BLOCK_T, BLOCK_M = 7, 90
+BLOCK_SLOTS = [3, 1, 0, 4, 2]
+BLOCK_SEQ = [0, 40, 0, 13, 83]                 # per slot 0..4; slot 4 reads up to M - 1
+
+
+@pytest.mark.parametrize("key_window", [0, 9, 200], ids=["all-keys", "window9", "window200"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_block_interpret(dtype, key_window):
+    """The draft block's bidirectional mask and sliding key window, one split and three splits,
+    NaN-poisoned keys outside each request's range."""
+    rng = np.random.default_rng(101 + key_window)
+    case = make_case(rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0,
+                     key_window=key_window)
+    for cfg in (CFG_SINGLE, CFG_SPLIT):
+        o = run_kernel(case, BLOCK_T, cfg, interpret=True, causal=False, key_window=key_window)
+        check(case, o, TOL[dtype], causal=False, key_window=key_window)
+
+
+def test_block_refusals():
+    case = small_case(jnp.float32, (6, 2), 32, seed=3)
+    with pytest.raises(ValueError, match="key_window"):
+        run_kernel(case, T_MAX, interpret=True, causal=False, key_window=-1)
+    mosaic = pav.AttentionVerifyConfig(split_kernel="mosaic", num_splits=2)
+    with pytest.raises(ValueError, match="causal"):
+        run_kernel(case, T_MAX, mosaic, interpret=True, causal=False)
 
 
 def test_dispatch_matches_reference():
@@ -347,6 +385,34 @@ def test_verify_gpu_bench_heads(B, M, cfg):
     cases store bfloat16 partials (the default for bf16 input) unless they ask for float32."""
     garbage, poisoned = device_case(B + M, B, 8, M)
     check_device(garbage, poisoned, 8, None if cfg is None else pav.AttentionVerifyConfig(**cfg))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_window", [0, 9], ids=["all-keys", "window9"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_block_gpu_small(dtype, key_window):
+    """The interpret-mode draft-block cases, compiled."""
+    rng = np.random.default_rng(101 + key_window)
+    case = make_case(rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0,
+                     key_window=key_window)
+    for cfg in (None, CFG_SPLIT):
+        check(case, run_kernel(case, BLOCK_T, cfg, causal=False, key_window=key_window), TOL[dtype],
+              causal=False, key_window=key_window)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,M", [(1, 1040), (32, 1040), (8, 4112)], ids=["b1-1k", "b32-1k", "b8-4k"])
+def test_block_gpu_draft_heads(B, M):
+    """The 27B-shaped draft's attention (32 q / 8 kv heads of 128, bf16, block 16): random contexts,
+    whole blocks, NaN past each request's block, against the float64 oracle."""
+    rng = np.random.default_rng(B + M)
+    slots = rng.permutation(np.arange(1, B + 1)).astype(np.int32)
+    seq = rng.integers(0, M - 16 + 1, B + 1).astype(np.int32)
+    seq[slots[0]] = M - 16
+    case = make_case(rng, [16] * B, slots, seq, 32, 8, 128, M, 16, jnp.bfloat16, n_pad=0)
+    check(case, run_kernel(case, 16, causal=False), TOL[jnp.bfloat16], causal=False)
 
 
 @gpu

@@ -81,20 +81,52 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     return packing.to_packed(o, query_start_loc, q.shape[0]).astype(q.dtype)
 
 
-def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, context_window=0, *, impl="auto"):
+def _block_write(k_cache, v_cache, k_block, v_block, ctx_len, slots, layer):
+    """Write a block's K/V [B, T, KVH, D] at positions ctx_len + t of each request's slot (slot 0
+    and positions past the cache write nothing)."""
+    t = k_block.shape[1]
+    num_slots = k_cache.shape[-4]
+    slot = jnp.where(slots > 0, slots, num_slots)[:, None]
+    at = (slot, ctx_len[:, None] + jnp.arange(t)[None, :])
+    if layer is not None:
+        at = (layer,) + at
+    return (k_cache.at[at].set(k_block.astype(k_cache.dtype), mode="drop"),
+            v_cache.at[at].set(v_block.astype(v_cache.dtype), mode="drop"))
+
+
+def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, context_window=0, *, layer=None,
+                    impl="auto"):
     """A draft block attending to its slot's cached context and, bidirectionally, to itself.
 
-    q [B, T, Hq, D]; caches [S1, M, KVH, D] (context positions 0..ctx_len-1 valid); ctx_len [B];
-    slots [B]; k_block, v_block [B, T, KVH, D]; context_window static (0 = the whole context, else
-    only positions >= ctx_len - context_window) -> o [B, T, Hq, D] in q.dtype.
+    q [B, T, Hq, D]; caches [S1, M, KVH, D] (context positions 0..ctx_len-1 valid), or layer stacks
+    [A, S1, M, KVH, D] with `layer` the static index; ctx_len [B]; slots [B] (0 = padding row);
+    k_block, v_block [B, T, KVH, D]; context_window static (0 = the whole context, else only
+    positions >= ctx_len - context_window) -> (o [B, T, Hq, D] in q.dtype, k_cache, v_cache).
+
+    The block's K/V are written into the caches at positions ctx_len .. ctx_len + T - 1 first
+    (scratch: the context's own K/V overwrite them once those positions are committed), then every
+    block token reads keys [max(0, ctx_len - context_window) or 0, ctx_len + T): the cost follows
+    the tokens in context, not M. Needs M >= ctx_len + T. Slot-0 rows write nothing and output 0.
+    The kernel is the verify attention's, called with causal=False and a key window.
     """
-    use_kernel("attention_block", impl, None)
     b, t = q.shape[:2]
-    pos = jnp.arange(k_cache.shape[1])[None, :]
-    ctx_mask = pos < ctx_len[:, None]                                                     # [B, M]
+    k_cache, v_cache = _block_write(k_cache, v_cache, k_block, v_block, ctx_len, slots, layer)
+    num_slots = k_cache.shape[-4]
+    seq_lens = jnp.zeros((num_slots,), jnp.int32).at[jnp.where(slots > 0, slots, num_slots)].set(
+        ctx_len.astype(jnp.int32), mode="drop")
+    query_start_loc = jnp.arange(b + 1, dtype=jnp.int32) * t
+    packed = q.reshape((b * t,) + q.shape[2:])
+    if use_kernel("attention_block", impl,
+                  lambda: attention_verify_kernel.supports(packed, k_cache, v_cache, seq_lens, query_start_loc,
+                                                           slots, t, layer)):
+        o = attention_verify_kernel.attention_verify(packed, k_cache, v_cache, seq_lens, query_start_loc, slots, t,
+                                                     layer=layer, causal=False, key_window=context_window)
+        return o.reshape(q.shape), k_cache, v_cache
+    kc, vc = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
+    pos = jnp.arange(kc.shape[1])[None, :]
+    mask = pos < (ctx_len + t)[:, None]                                                    # [B, M]
     if context_window:
-        ctx_mask &= pos >= ctx_len[:, None] - context_window
-    mask = jnp.concatenate([ctx_mask, jnp.ones((b, t), bool)], axis=1)[:, None, :]
-    k = jnp.concatenate([k_cache[slots].astype(k_block.dtype), k_block], axis=1)
-    v = jnp.concatenate([v_cache[slots].astype(v_block.dtype), v_block], axis=1)
-    return _attend(q, k, v, jnp.broadcast_to(mask, (b, t, mask.shape[-1]))).astype(q.dtype)
+        mask &= pos >= ctx_len[:, None] - context_window
+    mask &= (slots > 0)[:, None]
+    o = _attend(q, kc[slots], vc[slots], jnp.broadcast_to(mask[:, None, :], (b, t, mask.shape[-1])))
+    return o.astype(q.dtype), k_cache, v_cache

@@ -5,6 +5,9 @@ q [N, Hq, D] packed (request r owns rows query_start_loc[r] : query_start_loc[r+
 them); caches [S1, M, KVH, D]; window token t of request r sits at position p = seq_lens[slots[r]] + t
 and reads cache positions 0..p (all of 0..M-1 when p >= M); query head h reads kv head h // (Hq/KVH);
 scale D^-1/2, softmax in float32; padding rows (>= query_start_loc[B]) and slot-0 requests output 0.
+The draft's block attention (`jaxspec.ops.attention.attention_block`) is the same call with
+causal=False (every window token reads up to the window's last position: bidirectional inside the
+window) and key_window=w > 0 (keys from max(0, seq_len - w) on: a sliding context window).
 
 Design (flash decoding)
 -----------------------
@@ -256,12 +259,18 @@ def _request(qsl_ref, slots_ref, r):
     return start, qsl_ref[r + 1] - start, slots_ref[r]
 
 
-def split_range(seq_len, length, max_len, num_splits, block_k, min_split):
+def split_range(seq_len, length, max_len, num_splits, block_k, min_split, key_lo=0):
     """(n keys that exist, keys per split) of requests (scalars in a kernel, arrays in a wrapper):
-    the split length adapts to the context; split s covers keys [s * chunk, min((s+1) * chunk, n))."""
+    the split length adapts to the context; split s covers keys [key_lo + s * chunk,
+    min(key_lo + (s+1) * chunk, n))."""
     n = jnp.minimum(seq_len + length, max_len)
-    chunk = pl.cdiv(pl.cdiv(n, num_splits), block_k) * block_k
+    chunk = pl.cdiv(pl.cdiv(n - key_lo, num_splits), block_k) * block_k
     return n, jnp.maximum(chunk, min_split)
+
+
+def first_key(seq_len, key_window):
+    """The first key a request reads: 0, or max(0, seq_len - key_window) with a sliding window."""
+    return jnp.maximum(seq_len - key_window, 0) if key_window else 0
 
 
 def _write_rows(o_ref, vals, start, tok, head, valid, cols, cmask):
@@ -297,7 +306,8 @@ def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmas
 
 
 def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
-                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer):
+                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer, causal,
+                   key_window):
     r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     max_len = k_ref.shape[-3]
     # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
@@ -312,8 +322,10 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
     cmasks = [cols < d for cols in chunks]
     tail = len(chunks) * block_d != d                                   # one chunk, masked
 
-    n, chunk = split_range(seq_lens_ref[slot], length, max_len, num_splits, block_k, min_split)
-    lo = s * chunk
+    seq_len = seq_lens_ref[slot]
+    key_lo = first_key(seq_len, key_window)
+    n, chunk = split_range(seq_len, length, max_len, num_splits, block_k, min_split, key_lo)
+    lo = key_lo + s * chunk
     hi = jnp.minimum(lo + chunk, n)
 
     @pl.when((slot > 0) & (length > 0))
@@ -325,7 +337,7 @@ def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs,
                                mask=valid[:, None] & cm[None, :], other=0) for cols, cm in zip(chunks, cmasks)]
 
         q_in = None if f32_dots else load_q()
-        pos = seq_lens_ref[slot] + tok                                   # [R] query positions
+        pos = seq_len + (tok if causal else jnp.full_like(tok, length - 1))     # [R] last key a row reads
 
         def body(b, carry):
             accs, m, l = carry
@@ -426,7 +438,7 @@ def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests,
 
 def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *,
                      config: AttentionVerifyConfig | None = None, interpret: bool | None = None,
-                     o_buffer=None, layer: int | None = None):
+                     o_buffer=None, layer: int | None = None, causal: bool = True, key_window: int = 0):
     """Verify attention; same contract as jaxspec.ops.attention.attention_verify.
 
     q [N, Hq, D]; k_cache, v_cache [S1, M, KVH, D], or layer stacks [A, S1, M, KVH, D] with
@@ -434,12 +446,18 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     static -> o [N, Hq, D] in q.dtype.
     o_buffer: optional [N, Hq, D] array of q.dtype aliased to o; every element is overwritten
     (tests pass a NaN-filled one to prove it).
+    causal (static): True, window token t reads keys up to seq_len + t; False, every window token
+    reads up to the window's last key seq_len + len - 1 (the draft block's bidirectional mask).
+    key_window (static int >= 0): 0 reads keys from 0; w > 0 from max(0, seq_len - w) (the draft's
+    sliding context window; the window's own keys are always read).
     """
     if not supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer):
         raise ValueError("attention_verify kernel: unsupported shapes/dtypes "
                          f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, "
                          f"v_cache {v_cache.shape} {v_cache.dtype}, seq_lens {seq_lens.shape}, "
                          f"query_start_loc {query_start_loc.shape}, slots {slots.shape}, t_max {t_max!r}")
+    if not (isinstance(key_window, int) and key_window >= 0):
+        raise ValueError(f"key_window={key_window!r}: must be an int >= 0 (0 = every key from position 0)")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     config = config or AttentionVerifyConfig()
@@ -449,6 +467,9 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
     plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
     mosaic = config.split_kernel == "mosaic" and plan["num_splits"] > 1
+    if mosaic and not (causal and key_window == 0):
+        raise ValueError("AttentionVerifyConfig.split_kernel='mosaic': the Mosaic split kernel is causal over "
+                         f"every key (causal=True, key_window=0), got causal={causal}, key_window={key_window}")
     if mosaic:
         block_k, stages = config.block_k or 64, config.num_stages or 2
         if not avm.supports(q, k_cache, t_max, block_k, stages):
@@ -467,7 +488,8 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     extra = () if o_buffer is None else (o_buffer,)
     kernel = functools.partial(_verify_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d, d_pad=d_pad,
                                block_d=plan["block_d"], block_k=plan["block_k"], num_splits=num_splits,
-                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final, layer=layer)
+                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final, layer=layer,
+                               causal=causal, key_window=key_window)
     main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if final:
         return pl.pallas_call(
