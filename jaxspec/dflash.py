@@ -25,9 +25,10 @@ from safetensors.numpy import save_file
 
 from jaxspec.config import DraftConfig
 from jaxspec.ops import attention
+from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
-from jaxspec.target import Target, _dense, _mlp, lm_head
+from jaxspec.target import Target, lm_head
 from jaxspec.weights import _Checkpoint
 
 _LAYER_TENSORS = {  # param path inside a layer -> HF name suffix, and whether it is a linear
@@ -147,7 +148,7 @@ def write_context(draft: Draft, state: DraftState, hidden, positions, slot_of_ro
     slot 0 write nothing).
     """
     p, c = draft.params, draft.config
-    ctx = _dense(hidden.reshape(hidden.shape[0], -1).astype(p["fc"].dtype), p["fc"])
+    ctx = dense(hidden.reshape(hidden.shape[0], -1).astype(p["fc"].dtype), p["fc"])
     ctx = rms_norm_plain(ctx, p["hidden_norm"], c.rms_norm_eps)
     rows = jnp.where(valid & (slot_of_row > 0), slot_of_row, state.ctx_k.shape[1])
     ks, vs = [], []
@@ -162,9 +163,9 @@ def write_context(draft: Draft, state: DraftState, hidden, positions, slot_of_ro
 
 def _kv(a, c, x, positions):
     lead = x.shape[:-1]
-    k = _dense(x, a["k"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
+    k = dense(x, a["k"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
     k = apply_rope(rms_norm_plain(k, a["k_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
-    return k, _dense(x, a["v"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
+    return k, dense(x, a["v"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
 
 
 def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx_len, *, impl="auto"):
@@ -183,13 +184,13 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
     for li, layer in enumerate(p["layers"]):
         a = layer["attn"]
         xn = rms_norm_plain(x, layer["input_norm"], c.rms_norm_eps)
-        q = _dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
+        q = dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
         k, v = _kv(a, c, xn, positions)
         o, ctx_k, ctx_v = attention.attention_block(q, ctx_k, ctx_v, ctx_len, slots, k, v, c.context_window,
                                                     layer=li, impl=impl)
-        x = x + _dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
-        x = x + _mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
+        x = x + dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
+        x = x + swiglu_mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, 1:], p["norm"], c.rms_norm_eps)
-    logits = jnp.dot(x, lm_head(target), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    logits = head_logits(x, lm_head(target))
     return logits, DraftState(ctx_k=ctx_k, ctx_v=ctx_v)

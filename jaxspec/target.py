@@ -19,12 +19,10 @@ from flax import struct
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
 from jaxspec.ops import attention, conv, gdn, packing
+from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
 from jaxspec.ops.rope import apply_rope
 from jaxspec.weights import load_config, load_params, param_shapes
-
-HIGHEST = jax.lax.Precision.HIGHEST
-
 
 @struct.dataclass
 class Target:
@@ -42,16 +40,6 @@ def load_target(path, dtype=jnp.float32) -> Target:
     """A target from an HF-layout directory (config.json + *.safetensors), params in `dtype`."""
     config = load_config(path)
     return Target(params=load_params(path, config, dtype), config=config)
-
-
-def _dense(x, w):
-    return jnp.dot(x, w, precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _mlp(p, x):
-    gate = jnp.dot(x, p["gate"], precision=HIGHEST, preferred_element_type=jnp.float32)
-    up = jnp.dot(x, p["up"], precision=HIGHEST, preferred_element_type=jnp.float32)
-    return _dense((jax.nn.silu(gate) * up).astype(x.dtype), p["down"])
 
 
 def init_target(config: TargetConfig, key, dtype=jnp.float32) -> Target:
@@ -83,7 +71,7 @@ def lm_head(target: Target):
 
 def _logits(target, x):
     x = rms_norm(x, target.params["norm"], target.config.rms_norm_eps)
-    return jnp.dot(x, lm_head(target), precision=HIGHEST, preferred_element_type=jnp.float32)
+    return head_logits(x, lm_head(target))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +81,8 @@ def _logits(target, x):
 def _gdn_in(p, cfg, x):
     """x [..., d] -> raw conv inputs qkv [..., C], z [..., HV, V], g and beta [..., HV]."""
     hv, vd = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    g, beta = gdn.gating(_dense(x, p["a"]), _dense(x, p["b"]), p["A_log"], p["dt_bias"])
-    return _dense(x, p["qkv"]), _dense(x, p["z"]).reshape(x.shape[:-1] + (hv, vd)), g, beta
+    g, beta = gdn.gating(dense(x, p["a"]), dense(x, p["b"]), p["A_log"], p["dt_bias"])
+    return dense(x, p["qkv"]), dense(x, p["z"]).reshape(x.shape[:-1] + (hv, vd)), g, beta
 
 
 def _gdn_split(cfg, y):
@@ -110,16 +98,16 @@ def _gdn_split(cfg, y):
 def _gdn_out(p, cfg, o, z, dtype):
     """o [..., HV, V] float32, z [..., HV, V] -> out_proj(RMSNorm(o) * silu(z)) [..., d]."""
     y = gated_rms_norm(o.astype(dtype), z, p["norm"], cfg.rms_norm_eps)
-    return _dense(y.reshape(y.shape[:-2] + (-1,)), p["out"])
+    return dense(y.reshape(y.shape[:-2] + (-1,)), p["out"])
 
 
 def _attn_in(p, cfg, x, positions):
     """x [..., d] -> q [..., Hq, D] (normed, rotary), gate [..., Hq, D], k [..., KVH, D] (normed, rotary), v."""
     lead, D = x.shape[:-1], cfg.head_dim
-    qg = _dense(x, p["q"]).reshape(lead + (cfg.num_attention_heads, 2 * D))
+    qg = dense(x, p["q"]).reshape(lead + (cfg.num_attention_heads, 2 * D))
     q, gate = qg[..., :D], qg[..., D:]
-    k = _dense(x, p["k"]).reshape(lead + (cfg.num_key_value_heads, D))
-    v = _dense(x, p["v"]).reshape(lead + (cfg.num_key_value_heads, D))
+    k = dense(x, p["k"]).reshape(lead + (cfg.num_key_value_heads, D))
+    v = dense(x, p["v"]).reshape(lead + (cfg.num_key_value_heads, D))
     q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     return q, gate, k, v
@@ -127,13 +115,13 @@ def _attn_in(p, cfg, x, positions):
 
 def _attn_out(p, o, gate):
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
-    return _dense(o.reshape(o.shape[:-2] + (-1,)), p["o"])
+    return dense(o.reshape(o.shape[:-2] + (-1,)), p["o"])
 
 
 def _block(layer, cfg, x, mixer):
     """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
     x = x + mixer(rms_norm(x, layer["input_norm"], cfg.rms_norm_eps))
-    return x + _mlp(layer["mlp"], rms_norm(x, layer["post_norm"], cfg.rms_norm_eps))
+    return x + swiglu_mlp(layer["mlp"], rms_norm(x, layer["post_norm"], cfg.rms_norm_eps))
 
 
 # ---------------------------------------------------------------------------------------------

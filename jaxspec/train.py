@@ -55,7 +55,8 @@ from jaxspec.config import DraftConfig, TargetConfig
 from jaxspec.dflash import Draft, _kv
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
-from jaxspec.target import Target, _dense, _mlp, _prefill_layers, init_target, lm_head
+from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
+from jaxspec.target import Target, _prefill_layers, init_target, lm_head
 from jaxspec.weights import save_params
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -278,7 +279,7 @@ def draft_block_logits(draft: Draft, target: Target, hidden, tokens, anchors):
     p, c = draft.params, draft.config
     b, t = tokens.shape
     blk = c.block_size
-    ctx = _dense(hidden.reshape(b, t, -1).astype(p["fc"].dtype), p["fc"])
+    ctx = dense(hidden.reshape(b, t, -1).astype(p["fc"].dtype), p["fc"])
     ctx = rms_norm_plain(ctx, p["hidden_norm"], c.rms_norm_eps)                          # [b, T, d]
     ctx_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     offs = jnp.arange(blk)
@@ -293,15 +294,15 @@ def draft_block_logits(draft: Draft, target: Target, hidden, tokens, anchors):
     for layer in p["layers"]:
         a = layer["attn"]
         xn = rms_norm_plain(x, layer["input_norm"], c.rms_norm_eps)
-        q = _dense(xn, a["q"]).reshape(xn.shape[:3] + (c.num_attention_heads, c.head_dim))
+        q = dense(xn, a["q"]).reshape(xn.shape[:3] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
         k_blk, v_blk = _kv(a, c, xn, positions)
         k_ctx, v_ctx = _kv(a, c, ctx, ctx_pos)
         o = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask)
-        x = x + _dense(o.reshape(o.shape[:3] + (-1,)), a["o"])
-        x = x + _mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
+        x = x + dense(o.reshape(o.shape[:3] + (-1,)), a["o"])
+        x = x + swiglu_mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, :, 1:], p["norm"], c.rms_norm_eps)
-    return jnp.dot(x, lm_head(target), precision=HIGHEST, preferred_element_type=jnp.float32)
+    return head_logits(x, lm_head(target))
 
 
 def position_weights(block_size: int, gamma: float):

@@ -1,0 +1,119 @@
+"""The target's projections at Qwen3.5-27B shapes with few rows (decode and verify steps): how
+each way of writing the product compares with its weight-read floor.
+
+Three bf16 weight sets of one layer / the head: the SwiGLU MLP (gate, up [5120, 17408], down
+[17408, 5120], 535 MB), a GDN layer's projections (qkv [5120, 10240], z [5120, 6144], a, b
+[5120, 48], out [6144, 5120], 232 MB) and the lm_head [5120, 248320] (2.5 GB), at M rows for M in
+--rows. Variants of `x @ W` (bf16 x, bf16 W, float32 accumulation, bf16 result):
+  highest    jnp.dot(..., precision=HIGHEST, preferred_element_type=float32).astype(bf16): the
+             target's `_dense` today
+  default    the same with the default precision
+  pad8       highest on x padded with zero rows to a multiple of 8 (a shape XLA hands to cuBLAS)
+  bf16_out   jnp.dot(x, W) (bf16 result; XLA picks the accumulation)
+Each function is jitted and its GPU busy time read from a profiler trace (kernels' summed
+durations, benchutil.gpu_kernel_times), with the kernel names; floor = weight bytes / the copy
+bandwidth of the run. Run it under different XLA_FLAGS in one device call to compare flags.
+
+Usage: PYTHONPATH=$PWD python3 bench/skinny_gemm.py --out $OUT [--rows 1,2,4,8,16,32,64]
+       python3 bench/skinny_gemm.py --smoke      (CPU, small shapes)
+"""
+import argparse
+import json
+import os
+import sys
+
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
+
+D, I, VOCAB = 5120, 17408, 248320
+GDN = dict(qkv=(D, 10240), z=(D, 6144), a=(D, 48), b=(D, 48), out=(6144, D))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"))
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--variants", default="highest,default,pad8,bf16_out")
+    ap.add_argument("--sets", default="mlp,gdn,lm_head")
+    ap.add_argument("--tag", default=os.environ.get("XLA_FLAGS", "") or "default flags")
+    ap.add_argument("--smoke", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    benchutil.setup_jax(args.smoke)
+    import jax
+    import jax.numpy as jnp
+
+    scale = 16 if args.smoke else 1
+    HIGHEST = jax.lax.Precision.HIGHEST
+
+    def dot_highest(x, w):
+        return jnp.dot(x, w, precision=HIGHEST, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def dot_default(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+    def dot_pad8(x, w):
+        m = x.shape[0]
+        pad = -m % 8
+        xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+        return dot_highest(xp, w)[:m]
+
+    def dot_bf16(x, w):
+        return jnp.dot(x, w)
+
+    variants = dict(highest=dot_highest, default=dot_default, pad8=dot_pad8, bf16_out=dot_bf16)
+
+    def mlp(dot, x, p):
+        g, u = dot(x, p["gate"]), dot(x, p["up"])
+        return dot((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype), p["down"])
+
+    def gdn(dot, x, p):
+        y = dot(x, p["qkv"])[:, :p["z"].shape[1]] + dot(x, p["z"])
+        return dot(y, p["out"]) + (dot(x, p["a"]) + dot(x, p["b"])).sum(-1, keepdims=True)
+
+    def head(dot, x, p):
+        return dot(x, p["w"])
+
+    shapes = dict(mlp=dict(gate=(D, I), up=(D, I), down=(I, D)), gdn=GDN, lm_head=dict(w=(D, VOCAB)))
+    fns = dict(mlp=mlp, gdn=gdn, lm_head=head)
+    key = jax.random.PRNGKey(0)
+    copies = benchutil.copy_bandwidths(args.out)
+    bw_name, bw = benchutil.floor_bandwidth(copies)
+    rows = []
+    for name in args.sets.split(","):
+        params = {}
+        for k, (a, b) in shapes[name].items():
+            key, sub = jax.random.split(key)
+            params[k] = (jax.random.normal(sub, (a // scale, b // scale), jnp.float32) * a ** -0.5).astype(jnp.bfloat16)
+        nbytes = sum(v.size * 2 for v in params.values())
+        for m in map(int, args.rows.split(",")):
+            key, sub = jax.random.split(key)
+            x = jax.random.normal(sub, (m, D // scale), jnp.bfloat16)
+            for vname in args.variants.split(","):
+                fn = jax.jit(lambda x, p, f=fns[name], d=variants[vname]: f(d, x, p))
+                wall_us, _ = benchutil.median_us(fn, x, params, reps=5 if args.smoke else 20, inner=5)
+                gpu = benchutil.gpu_kernel_times(fn, x, params, calls=5)
+                floor_us = nbytes / bw * 1e6
+                busy = gpu.get("busy_us")
+                top = sorted(gpu.get("kernels", {}).items(), key=lambda kv: -kv[1])[:4]
+                rows.append(dict(set=name, rows=m, variant=vname, flags=args.tag, wall_us=round(wall_us, 1),
+                                 gpu_busy_us=None if busy is None else round(busy, 1), floor_us=round(floor_us, 1),
+                                 busy_over_floor=None if busy is None else round(busy / floor_us, 2),
+                                 kernels=[f"{k[:60]} {v:.1f}" for k, v in top]))
+                print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "".join(c if c.isalnum() else "_" for c in args.tag)[:60]
+    with open(os.path.join(args.out, f"skinny_gemm_{tag}.json"), "w") as f:
+        json.dump(dict(bandwidth=dict(name=bw_name, bytes_per_s=bw), rows=rows), f, indent=1)
+    print(f"\n| set | rows | variant | GPU busy us | floor us | ratio |  ({args.tag}; floor at {bw_name} "
+          f"{bw / 1e12:.2f} TB/s)")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['set']} | {r['rows']} | {r['variant']} | {r['gpu_busy_us']} | {r['floor_us']} | "
+              f"{r['busy_over_floor']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
