@@ -1,0 +1,118 @@
+"""bench/real_shape.py: its --smoke run on the CPU (the GPU benchmark's code path on a tiny config) writes the
+JSON and markdown report, with finite step times and floors per batch and the 64-layer memory report; and its
+kernel -> engine scope mapping on synthetic trace events and HLO text."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "real_shape.py")
+
+
+def qwen35_27b_params():
+    """Parameters of the 64-layer Qwen3.5-27B text model, counted here from its published dimensions."""
+    d, inter, vocab, layers = 5120, 17408, 248320, 64
+    hq, kvh, hd = 24, 4, 256                      # gated attention: q_proj has 2 x hq x hd outputs (q, gate)
+    hk, hv, dk, dv, w = 16, 48, 128, 128, 4       # Gated DeltaNet
+    mlp = 3 * d * inter
+    norms = 2 * d
+    conv = 2 * hk * dk + hv * dv
+    gdn = d * conv + d * hv * dv + 2 * d * hv + conv * w + 2 * hv + dv + hv * dv * d
+    attn = d * 2 * hq * hd + 2 * d * kvh * hd + hq * hd * d + 2 * hd
+    n_attn = layers // 4
+    return vocab * d * 2 + d + n_attn * (attn + mlp + norms) + (layers - n_attn) * (gdn + mlp + norms)
+
+
+def test_smoke_run_writes_report(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               # XLA:CPU codegen at -O0: the smoke run is all compilation; the code path is the same
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    report = json.loads((tmp_path / "real_shape.json").read_text())
+    assert report["smoke"] and report["backend"] == "cpu"
+    rows = {r["batch"]: r for r in report["rows"]}
+    assert sorted(rows) == [1, 2]
+    for b, row in rows.items():
+        for key in ("none", "spec_full"):
+            res = row[key]
+            assert res is not None, (b, key, report["notes"])
+            assert math.isfinite(res["ms"]) and res["ms"] > 0
+            assert math.isfinite(res["floor_ms"]) and res["floor_ms"] > 0
+            assert all(v > 0 for v in res["floor_terms_bytes"].values())
+            assert res["gpu"] is None                         # no GPU kernels in a CPU trace: no breakdown
+            check = res["cpu_mapping_check"]                  # the kernel -> scope mapping on XLA:CPU thunks
+            assert check and check["by_scope"].get("verify", 0) > 0 and "hlo_op" in check["stats"]
+        assert rows[b]["none"]["tokens_per_step"] == b        # one token a row
+        assert rows[b]["spec_full"]["tokens_per_step"] == b * report["draft"]["block"]
+        assert {"draft", "verify", "commit"} <= set(rows[b]["spec_full"]["cpu_mapping_check"]["by_scope"])
+        assert row["compact"], row                            # the tiers below the full block
+        for tier, res in row["compact"].items():
+            assert res["ms"] > 0 and res["tokens_per_step"] == int(tier)   # forced acceptance: tier tokens
+
+    mem = report["memory"]
+    assert mem["layers"] == 64 and mem["batch"] == 64 and mem["context"] == 8192
+    expected = 2 * qwen35_27b_params()
+    assert abs(mem["items"]["target weights"] - expected) <= 0.05 * expected, (mem["items"], expected)
+    assert 25e9 < expected / 2 < 29e9                       # the count itself: a 27B model
+    assert mem["total"] == sum(mem["items"].values()) and mem["fits"] == (mem["total"] <= 141e9)
+
+    md = (tmp_path / "real_shape.md").read_text()
+    assert "| batch | none ms | none floor ms |" in md
+    table = md[md.index("| batch | none ms"):].splitlines()
+    assert [ln.split("|")[1].strip() for ln in table[2:4]] == ["1", "2"]
+    assert "## memory at 64 layers" in md
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    spec = importlib.util.spec_from_file_location("real_shape", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HLO = """HloModule jit__step, is_scheduled=true
+
+%fused_computation.1 (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  ROOT %sine.0 = f32[8]{0} sine(%param_0), metadata={op_name="jit(_step)/draft_context/sin"}
+}
+
+ENTRY %main.9 (p.1: f32[8]) -> f32[8] {
+  %p.1 = f32[8]{0} parameter(0), metadata={op_name="state"}
+  %loop_fusion.3 = f32[8]{0} fusion(%p.1), kind=kLoop, calls=%fused_computation.1
+  %copy.7 = f32[8]{0} copy(%loop_fusion.3)
+  %custom-call.2 = f32[8]{0} custom-call(%copy.7), custom_call_target="mosaic_gpu", metadata={op_name="jit(_step)/verify/pallas_call"}
+  ROOT %gemm_fusion_dot.4 = f32[8]{0} fusion(%custom-call.2), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(_step)/jit(main)/accept/dot_general"}
+}
+"""
+
+
+def test_kernel_scope_mapping():
+    rs = _bench_module()
+    scopes = rs.hlo_scopes(HLO)
+    assert scopes["custom-call.2"] == ("verify", "metadata")
+    assert scopes["loop_fusion.3"] == ("draft_context", "called")
+    assert scopes["copy.7"][0] in ("draft_context", "verify") and scopes["copy.7"][1] == "neighbour"
+    us = 1000
+    events = [  # (start ns, duration ns, kernel name, stats, line)
+        (0, 5 * us, "ampere_gemm", {"tf_op": "jit(_step)/draft/dot_general", "hlo_op": "dot.1"}, "Stream #1"),
+        (10 * us, 3 * us, "verify_kernel", {"hlo_op": "custom-call.2", "hlo_module": "jit__step"}, "Stream #1"),
+        (20 * us, 2 * us, "loop_fusion_3", {}, "Stream #1"),                 # no stats: the kernel name
+        (30 * us, 1 * us, "mystery", {"hlo_op": "nowhere.1"}, "Stream #1"),
+        (40 * us, 4 * us, "memcpy DtoD", {}, "Stream #2"),
+    ]
+    out = rs.map_events(events, 1, lambda: HLO)
+    assert out["by_scope"] == {"draft": 5e-3, "verify": 3e-3, "draft_context": 2e-3, "other": 1e-3}
+    assert out["busy_ms"] == 11e-3 and out["memcpy_ms"] == 4e-3
+    assert out["by_source"] == {"stat:tf_op": 1, "hlo_op:metadata": 1, "kernel_name:called": 1, "unmapped": 1}
+    assert [u["kernel"] for u in out["unmapped"]] == ["mystery"] and out["unmapped_ms"] == 1e-3
+    assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "ampere_gemm"
+    assert rs.map_events([], 1, lambda: HLO) is None
