@@ -34,8 +34,9 @@ is a scope name); else the kernel's hlo_op stat is looked up in the compiled ste
 calls); else the kernel name itself is tried as an HLO instruction name. Kernels still unmapped count as
 "other" and are listed (first 30) in the JSON, beside the stat names the trace had (`trace_stats`).
 Kernels that XLA launches from a command buffer (a CUDA graph: the default for runs of fusions and
-library calls) carry the command buffer's name as hlo_op, not their own, and land in "other";
---no-command-buffers turns command buffers off for the whole run
+library calls) carry the command buffer's name as hlo_op, not their own: they are counted under
+"command_buffer" (mapping them through the graph's HLO would credit every kernel of a graph to its
+most common scope, which misleads); --no-command-buffers turns command buffers off for the whole run
 (XLA_FLAGS --xla_gpu_enable_command_buffer=) so every kernel maps, at the price of one launch per
 kernel in the timed steps too.
 Off the GPU the trace has no GPU kernels: the breakdown is None; the same mapping is then checked on the
@@ -460,7 +461,10 @@ def map_events(events, calls, hlo_text_fn):
     kern_ms, kern_n, kern_scopes = collections.Counter(), collections.Counter(), collections.defaultdict(set)
     for start, dur, name, stats, _ in kernels:
         scope, source = None, None
-        for key in PATH_STATS:
+        if str(stats.get("hlo_op", "")).startswith("command_buffer"):
+            # launched from a CUDA graph: the annotation names the graph, not the kernel's own op
+            scope, source = "command_buffer", "command_buffer"
+        for key in PATH_STATS if scope is None else ():
             if isinstance(stats.get(key), str) and (scope := _scope_of_path(stats[key])):
                 source = "stat:" + key
                 break
@@ -496,7 +500,7 @@ def map_events(events, calls, hlo_text_fn):
            for k, v in kern_ms.most_common(15)]
     return {"busy_ms": per(sum(e[1] for e in kernels)), "span_ms": per(end - start),
             "kernels_per_step": len(kernels) / calls,
-            "by_scope": {s: per(by_scope[s]) for s in SCOPES + ("other",) if by_scope[s]},
+            "by_scope": {s: per(by_scope[s]) for s in SCOPES + ("command_buffer", "other") if by_scope[s]},
             "by_source": dict(by_source), "by_kernel": top, "unmapped": unmapped, "unmapped_ms": per(unmapped_ns),
             "stats": stat_names,
             "sample": [{k: str(v)[:300] for k, v in e[3].items()} for e in kernels[:3]],

@@ -108,11 +108,15 @@ def test_kernel_scope_mapping():
         (20 * us, 2 * us, "loop_fusion_3", {}, "Stream #1"),                 # no stats: the kernel name
         (30 * us, 1 * us, "mystery", {"hlo_op": "nowhere.1"}, "Stream #1"),
         (40 * us, 4 * us, "memcpy DtoD", {}, "Stream #2"),
+        # inside a CUDA graph: the annotation names the graph, whatever op launched the kernel
+        (50 * us, 6 * us, "nvjet_gemm", {"hlo_op": "command_buffer_1", "tf_op": "jit(_step)/draft/x"}, "Stream #1"),
     ]
     out = rs.map_events(events, 1, lambda: HLO)
-    assert out["by_scope"] == {"draft": 5e-3, "verify": 3e-3, "draft_context": 2e-3, "other": 1e-3}
-    assert out["busy_ms"] == 11e-3 and out["memcpy_ms"] == 4e-3
-    assert out["by_source"] == {"stat:tf_op": 1, "hlo_op:metadata": 1, "kernel_name:called": 1, "unmapped": 1}
+    assert out["by_scope"] == {"draft": 5e-3, "verify": 3e-3, "draft_context": 2e-3, "command_buffer": 6e-3,
+                               "other": 1e-3}
+    assert out["busy_ms"] == 17e-3 and out["memcpy_ms"] == 4e-3
+    assert out["by_source"] == {"stat:tf_op": 1, "hlo_op:metadata": 1, "kernel_name:called": 1, "unmapped": 1,
+                                "command_buffer": 1}
     assert [u["kernel"] for u in out["unmapped"]] == ["mystery"] and out["unmapped_ms"] == 1e-3
-    assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "ampere_gemm"
+    assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "nvjet_gemm"     # the longest
     assert rs.map_events([], 1, lambda: HLO) is None
