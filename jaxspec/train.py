@@ -434,60 +434,62 @@ def _n_params(params):
 class _Clock:
     """Training throughput that leaves out the first step (compilation) and evaluation time."""
 
-    def __init__(self):
+    def __init__(self, now=time.perf_counter):
+        self.now = now
         self.t0, self.excluded, self.steps, self.compile_s = None, 0.0, 0, float("nan")
 
     def first_step_done(self):
-        self.t0, self.excluded = time.perf_counter(), 0.0   # evaluations before this are not excluded
+        self.t0, self.excluded = self.now(), 0.0            # evaluations before this are not excluded
 
     def rate(self, tokens_per_step):
         """Tokens per second over the steps after the first; None before there are any."""
         if self.t0 is None or self.steps == 0:
             return None
-        return self.steps * tokens_per_step / max(time.perf_counter() - self.t0 - self.excluded, 1e-9)
+        return self.steps * tokens_per_step / max(self.now() - self.t0 - self.excluded, 1e-9)
 
 
 def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_per_step, save_fn, progress, desc,
-          train_log, eval_log, time_limit=None, lr=1.0, warmup=0):
+          train_log, eval_log, time_limit=None, lr=1.0, warmup=0, now=time.perf_counter):
     """The shared training loop. step_fn(batch, learning_rate) -> (loss, grad_norm) device scalars,
     the rate from `learning_rate(step, progress, lr, warmup)`, progress the larger of step / steps
     and elapsed / time_limit (so under a time limit the cosine ends when the time does); eval_fn() ->
     dict of floats (with "loss"); save_fn(step) writes a checkpoint. Appends to train_log (the mean
     loss and gradient norm over each log_every steps) and eval_log. After time_limit seconds (if
-    given) the step in hand is the last: evaluated and saved like the final one. Returns the clock,
-    whose last_step is the step training ended at."""
+    given) the step in hand is the last: evaluated and saved like the final one. `now` () -> seconds
+    is the clock (tests pass a fake one). Returns the clock, whose last_step is the step training
+    ended at."""
     pending = []
-    clock = _Clock()
+    clock = _Clock(now)
     bar = _progress(steps, progress, desc)
-    t_begin = time.perf_counter()
+    t_begin = now()
     last_eval = None
     for step in range(1, steps + 1):
-        done = step / steps if time_limit is None else max(step / steps, (time.perf_counter() - t_begin) / time_limit)
+        done = step / steps if time_limit is None else max(step / steps, (now() - t_begin) / time_limit)
         rate = learning_rate(step, done, lr, warmup)
         pending.append(step_fn(batch_fn(), np.float32(rate)))
         if step == 1:
             jax.block_until_ready(pending[-1])
             clock.first_step_done()
-            clock.compile_s = time.perf_counter() - t_begin
+            clock.compile_s = now() - t_begin
         else:
             clock.steps += 1
-        last = step == steps or (time_limit is not None and time.perf_counter() - t_begin > time_limit)
+        last = step == steps or (time_limit is not None and now() - t_begin > time_limit)
         if step % log_every == 0 or last:
             losses, gnorms = np.asarray(jax.device_get(pending), np.float64).T
             pending = []
             train_log.append({"step": step, "loss": float(losses.mean()), "grad_norm": float(gnorms.mean()), "lr": rate,
-                              "elapsed_s": round(time.perf_counter() - t_begin, 3)})
+                              "elapsed_s": round(now() - t_begin, 3)})
             post = {"loss": f"{losses.mean():.3f}", "tok/s": f"{clock.rate(tokens_per_step) or 0:.3g}"}
             if last_eval is not None:
                 post["held_out"] = f"{last_eval['loss']:.3f}"
             bar.set_postfix(post, refresh=False)
         if (eval_every and step % eval_every == 0) or last:
             jax.block_until_ready(pending)           # training steps in flight are not evaluation time
-            t_eval = time.perf_counter()
+            t_eval = now()
             last_eval = {"step": step, **eval_fn()}
             eval_log.append(last_eval)
             save_fn(step)
-            clock.excluded += time.perf_counter() - t_eval
+            clock.excluded += now() - t_eval
             bar.write(f"step {step}: held-out " + ", ".join(
                 f"{k} {v:.4g}" for k, v in last_eval.items() if k != "step" and isinstance(v, float)),
                 file=sys.stderr)

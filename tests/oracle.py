@@ -3,6 +3,8 @@ DESIGN.md section 3 and the ops contract (not from jaxspec code), plus compariso
 
 Everything here is a plain loop in float64: slow, small, obviously correct.
 """
+import zlib
+
 import numpy as np
 
 
@@ -131,6 +133,12 @@ def attention(q, k, v, q_pos):
 
 
 # ------------------------------------------------------------------------------ helpers
+
+def seed_of(*case):
+    """A reproducible seed for a test case: crc32 of its repr (Python's hash() of a str is salted
+    per process, so a failure seeded from it could not be rerun)."""
+    return zlib.crc32(repr(case).encode())
+
 
 def qsl_from_lengths(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)

@@ -3,7 +3,6 @@ checkpoints that load, and the DFlash training forward held to dflash.propose.""
 import dataclasses
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -87,31 +86,35 @@ def test_default_configs():
 
 def test_loop_cadence_and_time_limit():
     """Logs every log_every steps, evaluates and saves every eval_every steps and at the end; a time
-    limit makes the step in hand the last one (evaluated and saved)."""
-    def run(steps, eval_every, time_limit=None, sleep=0.0):
+    limit makes the step in hand the last one (evaluated and saved). A fake clock that each step
+    advances by 0.25 s: with a 1 s limit the fifth step is the first past it."""
+    def run(steps, eval_every, time_limit=None):
         train_log, eval_log, saved, rates = [], [], [], []
+        t = [0.0]
 
         def step_fn(_, rate):
             rates.append(float(rate))
-            time.sleep(sleep)
+            t[0] += 0.25
             return np.float32(len(saved)), np.float32(1.0)
 
         clock = train._loop(steps=steps, step_fn=step_fn, batch_fn=lambda: None, eval_fn=lambda: {"loss": 0.5},
                             eval_every=eval_every, log_every=4, tokens_per_step=8, save_fn=saved.append,
                             progress=False, desc="t", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
-                            lr=1.0, warmup=2)
+                            lr=1.0, warmup=2, now=lambda: t[0])
         return clock, [r["step"] for r in train_log], [r["step"] for r in eval_log], saved, rates
 
     clock, logged, evaluated, saved, rates = run(10, 6)
     assert clock.last_step == 10 and logged == [4, 8, 10] and evaluated == saved == [6, 10]
-    assert clock.rate(8) > 0
+    assert clock.rate(8) == pytest.approx(9 * 8 / (0.25 * 9))        # 9 timed steps of 0.25 s, 8 tokens each
     expected = [train.learning_rate(s, s / 10, 1.0, 2) for s in range(1, 11)]
     np.testing.assert_allclose(rates, expected, rtol=1e-6)
     assert rates[-1] == pytest.approx(0.1, rel=1e-6)
-    clock, logged, evaluated, saved, rates = run(1000, 0, time_limit=0.05, sleep=0.01)
-    assert 5 <= clock.last_step < 50
-    assert evaluated == saved == [clock.last_step] and logged[-1] == clock.last_step
-    assert rates[-1] < 0.25 and all(a >= b for a, b in zip(rates[1:], rates[2:]))    # the cosine follows the clock
+    clock, logged, evaluated, saved, rates = run(1000, 0, time_limit=1.0)
+    assert clock.last_step == 5                                          # 1.25 s > 1 s; 1.0 s is not past it
+    assert evaluated == saved == [5] and logged == [4, 5]
+    # the cosine follows the clock: step s runs at progress max(s / 1000, 0.25 (s - 1))
+    expected = [train.learning_rate(s, max(s / 1000, 0.25 * (s - 1)), 1.0, 2) for s in range(1, 6)]
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
