@@ -41,12 +41,17 @@ def models():
     return target, dflash.init_draft(draft_config, jax.random.PRNGKey(12))
 
 
-def _exact_joint(target):
-    """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16]."""
+@pytest.fixture(scope="module")
+def joint(models):
+    """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16] float64: one
+    jitted cache-free forward per continuation length (1 + 16 + 256 sequences), once per module."""
+    target = models[0]
+    forward = jax.jit(lambda seqs: target_mod._prefill_layers(
+        target, seqs, jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32), (), "ref")[0][:, -1])
+
     def next_probs(prefixes):
-        seqs = jnp.asarray([PROMPT + list(p) for p in prefixes], jnp.int32)
-        logits, *_ = target_mod._prefill_layers(target, seqs, jnp.full((len(prefixes),), seqs.shape[1]), (), "ref")
-        return np.asarray(jax.nn.softmax(logits[:, -1] / TEMPERATURE, axis=-1), np.float64)
+        logits = forward(jnp.asarray([PROMPT + list(p) for p in prefixes], jnp.int32))
+        return np.asarray(jax.nn.softmax(logits / TEMPERATURE, axis=-1), np.float64)
 
     p1 = next_probs([()])[0]
     p2 = next_probs([(a,) for a in range(VOCAB)])
@@ -75,9 +80,9 @@ def _engine(models):
     return Engine(target, draft, SpecConfig(verify_mode="static", num_slots=SLOTS, max_len=16, max_top_k=VOCAB))
 
 
-def test_speculative_sampling_through_the_engine_is_lossless(models):
+def test_speculative_sampling_through_the_engine_is_lossless(models, joint):
     engine = _engine(models)
-    pvalues = _pvalues(_sample(engine), _exact_joint(models[0]))
+    pvalues = _pvalues(_sample(engine), joint)
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
@@ -95,16 +100,20 @@ def _bonus_from_p(right):
 
 @pytest.fixture
 def retrace():
-    """Engines share compiled steps (one jit per configuration): a test that patches a function the
-    step traces must trace it afresh, and must not leave its patched step behind for later tests."""
-    jax.clear_caches()
+    """Engines share compiled steps (one jit per configuration, cached by engine._jitted_step): a
+    test that patches a function the step traces must trace it afresh, and must not leave its
+    patched step behind for later tests. Only the engine's step factories are cleared, so other
+    compiled functions (the module's forwards) stay."""
+    engine_mod._jitted_step.cache_clear()
+    engine_mod._jitted_prefill.cache_clear()
     yield
-    jax.clear_caches()
+    engine_mod._jitted_step.cache_clear()
+    engine_mod._jitted_prefill.cache_clear()
 
 
-def test_wrong_acceptance_fails_the_same_test(models, monkeypatch, retrace):
+def test_wrong_acceptance_fails_the_same_test(models, joint, monkeypatch, retrace):
     monkeypatch.setattr(engine_mod.sampling, "accept", _bonus_from_p(engine_mod.sampling.accept))
-    pvalues = _pvalues(_sample(_engine(models)), _exact_joint(models[0]))
+    pvalues = _pvalues(_sample(_engine(models)), joint)
     assert min(pvalues.values()) < 1e-3, pvalues
 
 
@@ -137,14 +146,14 @@ def _sample_in_waves(engine):
     return counts
 
 
-def test_compact_sampling_with_the_estimator_is_lossless(models):
+def test_compact_sampling_with_the_estimator_is_lossless(models, joint):
     engine = _compact_engine(models)
-    pvalues = _pvalues(_sample_in_waves(engine), _exact_joint(models[0]))
+    pvalues = _pvalues(_sample_in_waves(engine), joint)
     assert engine.tier_tokens[0] in engine.tier_counts and len(engine.tier_counts) > 1, dict(engine.tier_counts)
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
-def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, monkeypatch, retrace):
+def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, joint, monkeypatch, retrace):
     """Verifying draft 1 only when its sampled value is even anticipates the draft: not lossless."""
     drawn = []
     sample, plan = engine_mod.sampling.sample_draft, engine_mod.planner.plan_lengths
@@ -158,5 +167,5 @@ def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, monkeypa
 
     monkeypatch.setattr(engine_mod.sampling, "sample_draft", sample_and_remember)
     monkeypatch.setattr(engine_mod.planner, "plan_lengths", peeking_plan)
-    pvalues = _pvalues(_sample_in_waves(_compact_engine(models)), _exact_joint(models[0]))
+    pvalues = _pvalues(_sample_in_waves(_compact_engine(models)), joint)
     assert min(pvalues.values()) < 1e-3, pvalues
