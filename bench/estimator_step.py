@@ -22,9 +22,7 @@ Cases at batch B x positions P (P = 7: block 8; P = 15: block 16):
   bytes (read once) / copy bandwidth measured in the same run (jitted x + 1 over 1 GiB, read + write
   counted; or a torch copy from `--torch-copy` in an earlier process, as in topk_kernel.py).
 - `features+predict+observe V=...`: the whole per-step estimator work, full vocabulary.
-- each features case once per --features-impls: "ref" (jnp: a max pass, then an exp-sum pass),
-  and "pallas" (jaxspec/pallas/features.py: one pass with an online maximum).
-- `draft argmax` and `draft argmax+features+predict+observe` (features "ref", full vocabulary): the
+- `draft argmax` and `draft argmax+features+predict+observe` (full vocabulary): the
   engine reads the draft logits anyway for its draft tokens (greedy: an argmax); the difference of
   the two is what the estimator adds to a step where XLA may fuse the feature's max pass with the
   argmax's.
@@ -68,12 +66,8 @@ def parse(argv=None):
     ap.add_argument("--rotate-mib", type=float, default=256, help="rotate input sets up to this many MiB")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--features-impls", default="ref,pallas",
-                    help="features implementations to time: ref, pallas")
     ap.add_argument("--observe-impls", default="ref,pallas",
                     help="observe implementations: ref (jnp, eight kernels), pallas (one launch)")
-    ap.add_argument("--features-configs", default="",
-                    help="also time the kernel alone with these FeaturesConfigs, BLOCKxWARPSxSTAGES,...")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -89,7 +83,6 @@ def main(args):
     import jax
     import jax.numpy as jnp
     from jaxspec.ops import sampling
-    from jaxspec.pallas import features as pf
     from jaxspec.spec import estimator as est
 
     os.makedirs(args.out, exist_ok=True)
@@ -208,90 +201,75 @@ def main(args):
                 temperature = jnp.full((b,), temp, jnp.float32)
                 floor_us = nbytes / bw * 1e6
 
-                for impl in args.features_impls.split(","):
-                    def feature_fn(lg, impl=impl):
-                        return est.features(lg, temperature, impl=impl)
+                def feat(acc, xs):
+                    return acc + jnp.sum(est.features(xs, temperature))
 
-                    def feat(acc, xs):
-                        return acc + jnp.sum(feature_fn(xs))
+                def full(state, xs):
+                    lg, ver, acc = xs
+                    xk = est.features(lg, temperature)
+                    _, s = est.predict(state, xk)
+                    state = est.observe(state, xk, ver, acc)
+                    return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
+                if vocab == args.vocab:
+                    add(batch=b, positions=p, case="features", vocab=vocab, sets=n_sets,
+                        floor_us=floor_us, us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
+                times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
+                         for interval in (10**9, args.refit_interval)}
+                add(batch=b, positions=p, case="features+predict+observe", vocab=vocab, sets=n_sets,
+                    floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
+                if vocab == args.vocab:
+                    def draft_tokens(acc, lg):
+                        return acc + jnp.sum(jnp.argmax(lg, axis=-1))
 
-                    def full(state, xs):
+                    def draft_tokens_full(state, xs):
+                        state = full(state, xs)
+                        return state.replace(h_xx=state.h_xx + 0.0 * jnp.sum(jnp.argmax(xs[0], axis=-1)))
+                    add(batch=b, positions=p, case="draft argmax", vocab=vocab, sets=n_sets, floor_us=floor_us,
+                        us_plain=scan_us(draft_tokens, jnp.zeros((), jnp.int32), logits))
+                    add(batch=b, positions=p, case="draft argmax+features+predict+observe", vocab=vocab,
+                        sets=n_sets, floor_us=floor_us,
+                        us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)))
+
+                    def engine_draft(state, xs, sampled, with_estimator=True):
+                        """The engine's draft side: one DraftDistribution for the drafts (argmax, or
+                        a draw at T > 0), q at the drafts (what accept reads) and, with the
+                        estimator, the feature, predict and observe."""
                         lg, ver, acc = xs
-                        xk = feature_fn(lg)
-                        _, s = est.predict(state, xk)
-                        state = est.observe(state, xk, ver, acc)
-                        return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
-                    if vocab == args.vocab:
-                        add(batch=b, positions=p, case=f"features ({impl})", vocab=vocab, sets=n_sets,
-                            floor_us=floor_us, us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
-                    for name in filter(None, args.features_configs.split(",") if impl == "pallas" else ()):
-                        if vocab != args.vocab or over_budget():
-                            break
-                        block_v, warps, stages = (int(v) for v in name.split("x"))
-                        cfg = pf.FeaturesConfig(block_v=block_v, num_warps=warps, num_stages=stages)
-
-                        def feat_cfg(acc, xs, cfg=cfg):
-                            return acc + jnp.sum(pf.feature_logits(xs, temperature, config=cfg))
-                        add(batch=b, positions=p, case=f"features (pallas {name})", vocab=vocab,
-                            sets=n_sets, floor_us=floor_us,
-                            us_plain=scan_us(feat_cfg, jnp.zeros((), jnp.float32), logits))
-                    times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
-                             for interval in (10**9, args.refit_interval)}
-                    add(batch=b, positions=p, case=f"features ({impl})+predict+observe", vocab=vocab, sets=n_sets,
-                        floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
-                    if impl == "ref" and vocab == args.vocab:
-                        def draft_tokens(acc, lg):
-                            return acc + jnp.sum(jnp.argmax(lg, axis=-1))
-
-                        def draft_tokens_full(state, xs):
-                            state = full(state, xs)
-                            return state.replace(h_xx=state.h_xx + 0.0 * jnp.sum(jnp.argmax(xs[0], axis=-1)))
-                        add(batch=b, positions=p, case="draft argmax", vocab=vocab, sets=n_sets, floor_us=floor_us,
-                            us_plain=scan_us(draft_tokens, jnp.zeros((), jnp.int32), logits))
-                        add(batch=b, positions=p, case="draft argmax+features+predict+observe", vocab=vocab,
-                            sets=n_sets, floor_us=floor_us,
-                            us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)))
-
-                        def engine_draft(state, xs, sampled, with_estimator=True):
-                            """The engine's draft side: one DraftDistribution for the drafts (argmax, or
-                            a draw at T > 0), q at the drafts (what accept reads) and, with the
-                            estimator, the feature, predict and observe."""
-                            lg, ver, acc = xs
-                            t = temperature if sampled else jnp.zeros_like(temperature)
-                            dist = sampling.draft_distribution(lg, t)
-                            drafts = sampling.sample_draft(draw_keys, dist) if sampled else dist.argmax
-                            live = jnp.sum(drafts) + (jnp.sum(dist.prob_at(drafts[..., None])) if sampled else 0.0)
-                            if with_estimator:
-                                xk = est.distribution_features(dist)
-                                _, s = est.predict(state, xk)
-                                state = est.observe(state, xk, ver, acc)
-                                live = live + s[0, -1]
-                            return state.replace(h_xx=state.h_xx + 0.0 * live)
-
-                        def materialised_q(state, xs):
-                            """The sampled draft side before 2026-12-02: q = softmax over the vocabulary
-                            (float32, written), a draw from log q, the feature in its own two passes."""
-                            lg, ver, acc = xs
-                            q = jax.nn.softmax(lg.astype(jnp.float32) / temp, axis=-1)
-                            drafts = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq), axis=-1))(draw_keys, q)
-                            xk = est.features(lg, temperature, impl="ref")
+                        t = temperature if sampled else jnp.zeros_like(temperature)
+                        dist = sampling.draft_distribution(lg, t)
+                        drafts = sampling.sample_draft(draw_keys, dist) if sampled else dist.argmax
+                        live = jnp.sum(drafts) + (jnp.sum(dist.prob_at(drafts[..., None])) if sampled else 0.0)
+                        if with_estimator:
+                            xk = est.distribution_features(dist)
                             _, s = est.predict(state, xk)
                             state = est.observe(state, xk, ver, acc)
-                            live = jnp.sum(jnp.take_along_axis(q, drafts[..., None], axis=-1)) + s[0, -1]
-                            return state.replace(h_xx=state.h_xx + 0.0 * live)
+                            live = live + s[0, -1]
+                        return state.replace(h_xx=state.h_xx + 0.0 * live)
 
-                        draw_keys = jax.random.split(jax.random.key(b), b)
-                        for case, fn in (("engine draft, greedy: argmax",
-                                          functools.partial(engine_draft, sampled=False, with_estimator=False)),
-                                         ("engine draft, greedy: argmax+features+predict+observe",
-                                          functools.partial(engine_draft, sampled=False)),
-                                         (f"engine draft, T={temp}: draw+q",
-                                          functools.partial(engine_draft, sampled=True, with_estimator=False)),
-                                         (f"engine draft, T={temp}: draw+q+features+predict+observe",
-                                          functools.partial(engine_draft, sampled=True)),
-                                         (f"materialised q, T={temp}: draw+q+features+predict+observe", materialised_q)):
-                            add(batch=b, positions=p, case=case, vocab=vocab, sets=n_sets, floor_us=floor_us,
-                                us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)))
+                    def materialised_q(state, xs):
+                        """The sampled draft side before 2026-12-02: q = softmax over the vocabulary
+                        (float32, written), a draw from log q, the feature in its own two passes."""
+                        lg, ver, acc = xs
+                        q = jax.nn.softmax(lg.astype(jnp.float32) / temp, axis=-1)
+                        drafts = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq), axis=-1))(draw_keys, q)
+                        xk = est.features(lg, temperature)
+                        _, s = est.predict(state, xk)
+                        state = est.observe(state, xk, ver, acc)
+                        live = jnp.sum(jnp.take_along_axis(q, drafts[..., None], axis=-1)) + s[0, -1]
+                        return state.replace(h_xx=state.h_xx + 0.0 * live)
+
+                    draw_keys = jax.random.split(jax.random.key(b), b)
+                    for case, fn in (("engine draft, greedy: argmax",
+                                      functools.partial(engine_draft, sampled=False, with_estimator=False)),
+                                     ("engine draft, greedy: argmax+features+predict+observe",
+                                      functools.partial(engine_draft, sampled=False)),
+                                     (f"engine draft, T={temp}: draw+q",
+                                      functools.partial(engine_draft, sampled=True, with_estimator=False)),
+                                     (f"engine draft, T={temp}: draw+q+features+predict+observe",
+                                      functools.partial(engine_draft, sampled=True)),
+                                     (f"materialised q, T={temp}: draw+q+features+predict+observe", materialised_q)):
+                        add(batch=b, positions=p, case=case, vocab=vocab, sets=n_sets, floor_us=floor_us,
+                            us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)))
                 del logits
 
     lines = dump()

@@ -1,4 +1,4 @@
-"""jaxspec: speculative decoding for GDN-hybrid LLMs in JAX (the public API of DESIGN section 9)."""
+"""jaxspec: speculative decoding for GDN-hybrid LLMs in JAX (the public API of docs/design.md section 9)."""
 from jaxspec.config import SpecConfig
 from jaxspec.dflash import load_draft
 from jaxspec.engine import Engine

@@ -1,4 +1,4 @@
-"""Device state of every request (DESIGN section 4): SSM checkpoints, rings, conv and KV caches.
+"""Device state of every request (docs/design.md section 4): SSM checkpoints, rings, conv and KV caches.
 
 Every array has a slot axis of size num_slots + 1. Slot 0 is the null slot: padding rows point at
 it, nothing is written to it and nothing reads it. Real requests own slots 1..num_slots.
@@ -76,7 +76,7 @@ def init_cache(target: TargetConfig, cache: CacheConfig) -> CacheState:
 
 
 def cache_nbytes(target: TargetConfig, cache: CacheConfig) -> int:
-    """Bytes of the device state, from the DESIGN section 4 table (no per-draft-token state)."""
+    """Bytes of the device state, from the docs/design.md section 4 table (no per-draft-token state)."""
     total = 0
     for spec in _shapes(target, cache).values():
         for shape, dtype in spec if isinstance(spec, list) else [spec]:

@@ -333,7 +333,7 @@ def _reject_unsupported(text: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Shapes and dtypes of the device state (DESIGN.md section 4).
+    """Shapes and dtypes of the device state (docs/design.md section 4).
 
     num_slots: real request slots S (arrays have S + 1 rows; slot 0 is the null slot).
     max_len: KV-cache positions per slot.
@@ -386,7 +386,7 @@ VERIFY_MODES = ("none", "static", "cap-accept", "compact")
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash block-diffusion draft (DESIGN.md section 5): Qwen3-style decoder layers (RMSNorm
+    """A DFlash block-diffusion draft (docs/design.md section 5): Qwen3-style decoder layers (RMSNorm
     with a plain weight, GQA with q/k norm, full rotary, SwiGLU) without embedding or LM head of
     their own (the target's are shared).
 
@@ -473,10 +473,11 @@ class DraftConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """How the engine decodes (DESIGN.md sections 7-8).
+    """How the engine decodes (docs/design.md sections 7-8).
 
     verify_mode: "none" (target only, one token per step), "static" (verify the whole block),
-        "cap-accept" / "compact" (confidence-scheduled; a later row).
+        "cap-accept" (verify the whole block, accept at most the planned drafts) or "compact"
+        (verify only the planned drafts, packed into a tier): docs/design.md section 7.
     num_slots, max_len: concurrent requests and tokens per request (prompt + generation).
     block_size: verify window of static mode (anchor + block_size - 1 drafts); None = the
         draft's block size.

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion draft (DESIGN section 5): one parallel forward proposes a block.
+"""The DFlash block-diffusion draft (docs/design.md section 5): one parallel forward proposes a block.
 
 Target hidden states of `target_layer_ids` are concatenated, projected by `fc` and normalised
 into the draft's context; every draft layer projects that context to K/V, cached per slot at the
@@ -29,7 +29,7 @@ from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
 from jaxspec.target import Target, lm_head
-from jaxspec.weights import _Checkpoint
+from jaxspec.weights import Checkpoint
 
 _LAYER_TENSORS = {  # param path inside a layer -> HF name suffix, and whether it is a linear
     ("input_norm",): ("input_layernorm.weight", False),
@@ -111,7 +111,7 @@ def load_draft(path, target: Target, dtype=None) -> Draft:
         raise ValueError(f"DraftConfig.target_layer_ids={config.target_layer_ids}: the target has "
                          f"{tc.num_hidden_layers} layers")
     dtype = target.dtype if dtype is None else jnp.dtype(dtype)
-    ckpt, shapes = _Checkpoint(path), param_shapes(config)
+    ckpt, shapes = Checkpoint(path), param_shapes(config)
     params = jax.tree_util.tree_map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     for p, name, linear in _tensors(config):
         shape = _get(shapes, p)
@@ -153,7 +153,7 @@ def write_context(draft: Draft, state: DraftState, hidden, positions, slot_of_ro
     rows = jnp.where(valid & (slot_of_row > 0), slot_of_row, state.ctx_k.shape[1])
     ks, vs = [], []
     for layer in p["layers"]:
-        k, v = _kv(layer["attn"], c, ctx, positions)
+        k, v = key_values(layer["attn"], c, ctx, positions)
         ks.append(k)
         vs.append(v)
     at = (slice(None), rows, positions)
@@ -161,7 +161,9 @@ def write_context(draft: Draft, state: DraftState, hidden, positions, slot_of_ro
                       ctx_v=state.ctx_v.at[at].set(jnp.stack(vs).astype(state.ctx_v.dtype), mode="drop"))
 
 
-def _kv(a, c, x, positions):
+def key_values(a, c, x, positions):
+    """A draft layer's keys and values of hidden states x [..., d] at `positions` [...]: attention
+    params `a`, DraftConfig `c` -> (k, v) [..., KVH, D]; k is normed and rotated."""
     lead = x.shape[:-1]
     k = dense(x, a["k"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
     k = apply_rope(rms_norm_plain(k, a["k_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
@@ -186,7 +188,7 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
         xn = rms_norm_plain(x, layer["input_norm"], c.rms_norm_eps)
         q = dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
-        k, v = _kv(a, c, xn, positions)
+        k, v = key_values(a, c, xn, positions)
         o, ctx_k, ctx_v = attention.attention_block(q, ctx_k, ctx_v, ctx_len, slots, k, v, c.context_window,
                                                     layer=li, impl=impl)
         x = x + dense(o.reshape(o.shape[:2] + (-1,)), a["o"])

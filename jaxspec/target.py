@@ -128,7 +128,7 @@ def _block(layer, cfg, x, mixer):
 # Prefill
 
 
-def _prefill_layers(target: Target, tokens, lengths, taps, impl):
+def prefill_layers(target: Target, tokens, lengths, taps, impl):
     """Whole sequences, no cache. tokens [B, T], lengths [B] -> (logits [B, T, vocab] f32,
     tapped hidden [B, T, n_taps, d], per GDN layer (conv_state, h), per attention layer (k, v))."""
     params, cfg = target.params, target.config
@@ -169,7 +169,7 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
     Each slot gets its SSM checkpoint, conv state and K/V at positions 0..len-1; write_pos = 0,
     seq_len = len. Requires T <= cache max_len.
     """
-    logits, hidden, gdn_states, kv = _prefill_layers(target, tokens, lengths, taps, impl)
+    logits, hidden, gdn_states, kv = prefill_layers(target, tokens, lengths, taps, impl)
     put = packing.scatter_slots
     ckpt, conv_state = cache.ckpt, cache.conv_state
     for gi, (cs, h) in enumerate(gdn_states):
@@ -190,7 +190,7 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
 
 @partial(jax.jit, static_argnames=("impl",))
 def _target_logits(target, ids, impl):
-    logits, *_ = _prefill_layers(target, ids[None], jnp.array([ids.shape[0]], jnp.int32), (), impl)
+    logits, *_ = prefill_layers(target, ids[None], jnp.array([ids.shape[0]], jnp.int32), (), impl)
     return logits[0]
 
 

@@ -1,4 +1,4 @@
-"""Training of the project's tiny models (issue #7, DESIGN section 5): a byte-level GDN-hybrid
+"""Training of the project's tiny models (docs/design.md section 5): a byte-level GDN-hybrid
 target and a DFlash draft against it, on a corpus every machine has.
 
 Corpus. The Python source files (`*.py`) of the standard library of the interpreter that runs
@@ -18,7 +18,7 @@ Windows of a fixed length start at uniformly random offsets of the joined stream
 held-out evaluation uses a fixed set of windows (seed EVAL_SEED) so numbers compare across runs.
 
 Target training: cross-entropy of the next byte through the real cache-free model forward
-(`target._prefill_layers`, the reference ops), AdamW with linear warmup and cosine decay,
+(`target.prefill_layers`, the reference ops), AdamW with linear warmup and cosine decay,
 global-norm clipping, optional bfloat16 compute on float32 master weights.
 
 Draft training (DFlash): the frozen target's forward gives the tapped hidden states (the outputs
@@ -52,11 +52,11 @@ import optax
 
 from jaxspec import dflash
 from jaxspec.config import DraftConfig, TargetConfig
-from jaxspec.dflash import Draft, _kv
+from jaxspec.dflash import Draft, key_values
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
 from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
-from jaxspec.target import Target, _prefill_layers, init_target, lm_head
+from jaxspec.target import Target, prefill_layers, init_target, lm_head
 from jaxspec.weights import save_params
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -237,14 +237,14 @@ def target_loss(params, config: TargetConfig, tokens, compute_dtype=jnp.float32)
     target = Target(params=_cast(params, compute_dtype), config=config)
     inputs = tokens[:, :-1]
     lengths = jnp.full((inputs.shape[0],), inputs.shape[1], jnp.int32)
-    logits, *_ = _prefill_layers(target, inputs, lengths, (), "ref")
+    logits, *_ = prefill_layers(target, inputs, lengths, (), "ref")
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
 def target_hidden(target: Target, tokens, taps):
     """The frozen target's forward on tokens [b, T]: (logits [b, T, V] f32, tapped hidden [b, T, n_taps, d])."""
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    logits, hidden, _, _ = _prefill_layers(target, tokens, lengths, tuple(taps), "ref")
+    logits, hidden, _, _ = prefill_layers(target, tokens, lengths, tuple(taps), "ref")
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(hidden)
 
 
@@ -296,8 +296,8 @@ def draft_block_logits(draft: Draft, target: Target, hidden, tokens, anchors):
         xn = rms_norm_plain(x, layer["input_norm"], c.rms_norm_eps)
         q = dense(xn, a["q"]).reshape(xn.shape[:3] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
-        k_blk, v_blk = _kv(a, c, xn, positions)
-        k_ctx, v_ctx = _kv(a, c, ctx, ctx_pos)
+        k_blk, v_blk = key_values(a, c, xn, positions)
+        k_ctx, v_ctx = key_values(a, c, ctx, ctx_pos)
         o = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask)
         x = x + dense(o.reshape(o.shape[:3] + (-1,)), a["o"])
         x = x + swiglu_mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))

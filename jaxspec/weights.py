@@ -133,7 +133,7 @@ def _put(tree, path, value):
     tree[path[-1]] = value
 
 
-class _Checkpoint:
+class Checkpoint:
     """Lazy reader of the safetensors files of a directory (one file or sharded with an index)."""
 
     def __init__(self, path):
@@ -215,7 +215,7 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
     ValueError, each naming the HF tensor.
     """
     dtype = _check_dtype(dtype)
-    ckpt = _Checkpoint(path)
+    ckpt = Checkpoint(path)
     shapes = param_shapes(config)
     params = {"layers": [{} for _ in config.layer_types]}
 

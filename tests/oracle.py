@@ -1,5 +1,5 @@
 """Independent float64 numpy oracles for jaxspec's reference ops, written from the math in
-DESIGN.md section 3 and the ops contract (not from jaxspec code), plus comparison helpers.
+docs/design.md section 3 and the ops contract (not from jaxspec code), plus comparison helpers.
 
 Everything here is a plain loop in float64: slow, small, obviously correct.
 """

@@ -36,7 +36,7 @@ class OracleProposer:
         def greedy_next(i, carry):                      # one cache-free forward per draft position
             seq, drafts, soft = carry
             length = ctx_len + 1 + i
-            logits, *_ = target_mod._prefill_layers(self.target, seq, length, (), "ref")
+            logits, *_ = target_mod.prefill_layers(self.target, seq, length, (), "ref")
             last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
             nxt = jnp.argmax(last, -1)
             return seq.at[rows, length].set(nxt), drafts.at[:, i].set(nxt), soft.at[:, i].set(last)

@@ -117,7 +117,7 @@ def test_generate_arguments_are_checked(model):
 
 
 def test_device_state_bytes_match_design_formula(model):
-    """No per-draft-token SSM state: the state is exactly DESIGN section 4's table."""
+    """No per-draft-token SSM state: the state is exactly docs/design.md section 4's table."""
     c = model.config
     spec = SpecConfig(verify_mode="static", num_slots=3, max_len=64, ring_dtype="bfloat16", state_dtype="bfloat16")
     engine = Engine(model, random_draft(model, 8), spec)

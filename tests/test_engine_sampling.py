@@ -46,7 +46,7 @@ def joint(models):
     """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16] float64: one
     jitted cache-free forward per continuation length (1 + 16 + 256 sequences), once per module."""
     target = models[0]
-    forward = jax.jit(lambda seqs: target_mod._prefill_layers(
+    forward = jax.jit(lambda seqs: target_mod.prefill_layers(
         target, seqs, jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32), (), "ref")[0][:, -1])
 
     def next_probs(prefixes):

@@ -1,4 +1,4 @@
-"""Online acceptance estimator (DESIGN.md section 6): recovery of a known logistic model, the
+"""Online acceptance estimator (docs/design.md section 6): recovery of a known logistic model, the
 refit against an independent float64 numpy Newton step, the arrowhead solve against a dense
 solve, features against a float64 oracle, robustness to non-finite inputs, no host transfers,
 determinism, and replicated state on a sharded batch (4 CPU devices, in a subprocess).

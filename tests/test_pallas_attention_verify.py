@@ -173,9 +173,6 @@ def test_block_refusals():
     case = small_case(jnp.float32, (6, 2), 32, seed=3)
     with pytest.raises(ValueError, match="key_window"):
         run_kernel(case, T_MAX, interpret=True, causal=False, key_window=-1)
-    mosaic = pav.AttentionVerifyConfig(split_kernel="mosaic", num_splits=2)
-    with pytest.raises(ValueError, match="causal"):
-        run_kernel(case, T_MAX, mosaic, interpret=True, causal=False)
 
 
 def test_dispatch_matches_reference():
@@ -201,6 +198,9 @@ def test_layer_stack(cfg):
     run = jax.jit(lambda c: pav.attention_verify(**c, t_max=T_MAX, config=cfg, interpret=True, layer=2))
     single = run_kernel(case, T_MAX, cfg, interpret=True)
     np.testing.assert_array_equal(oracle.bits(np.asarray(run(stacked))), oracle.bits(np.asarray(single)))
+    traced = jax.jit(lambda c, i: pav.attention_verify(**c, t_max=T_MAX, config=cfg, interpret=True, layer=i))
+    np.testing.assert_array_equal(oracle.bits(np.asarray(traced(stacked, jnp.int32(2)))),
+                                  oracle.bits(np.asarray(single)), "traced layer index")
     check(case, single, TOL[jnp.float32])
     assert pav.supports(**stacked, t_max=T_MAX, layer=2)
     assert not pav.supports(**stacked, t_max=T_MAX, layer=3) and not pav.supports(**stacked, t_max=T_MAX)
@@ -216,8 +216,6 @@ def test_config_validation():
                        ("combine_warps", 32), ("partial_dtype", "float16")]:
         with pytest.raises(ValueError, match=field):
             pav.AttentionVerifyConfig(**{field: bad})
-    with pytest.raises(ValueError, match="partial_dtype"):
-        pav.AttentionVerifyConfig(split_kernel="mosaic", partial_dtype="bfloat16")
     cfg = pav.AttentionVerifyConfig()
     # the benchmark shape (T 8, GQA 6 -> 64 rows, D 256): batch 64 fills the SMs without splitting
     plan = cfg.resolve(64, 4, 4112, 64, 256, jnp.bfloat16)
@@ -449,117 +447,3 @@ def test_layer_stack_gpu():
                              .astype(jnp.float32))
         np.testing.assert_array_equal(oracle.bits(layered), oracle.bits(single), "layer 1 of the stack")
 
-
-# ------------------------------------------------------------------------ Mosaic split kernel
-# (jaxspec/pallas/attention_verify_mosaic.py: bf16, M a multiple of 64, t_max * GQA <= 64 rows)
-
-M_MOSAIC = 320
-MOSAIC_LENGTHS = [5, 8, 1, 3, 0, 8, 2]
-MOSAIC_SLOTS = [1, 4, 2, 0, 5, 3, 6]
-MOSAIC_SEQ = [9, 130, 0, 77, 312, 50, 317]     # slot 4: 312 + 8 = 320 keys (position M - 1); slot 6: 319
-CFG_MOSAIC = [pav.AttentionVerifyConfig(split_kernel="mosaic", num_splits=2),
-              pav.AttentionVerifyConfig(split_kernel="mosaic", num_splits=3, min_split=128)]
-
-
-def mosaic_case(heads, D, seed):
-    Hq, KVH = heads
-    return make_case(np.random.default_rng(seed), MOSAIC_LENGTHS, MOSAIC_SLOTS, MOSAIC_SEQ, Hq, KVH, D,
-                     M_MOSAIC, 8, jnp.bfloat16, n_pad=5)
-
-
-@pytest.mark.parametrize("heads,D", [((12, 2), 64), ((6, 1), 256)], ids=["gqa6-d64", "gqa6-d256"])
-def test_mosaic_interpret(heads, D):
-    """Two splits of 192 keys at most (three 64-key blocks: warpgroup 0 takes two, 1 one) and three
-    of >= 128 keys; windows of 1..8 tokens, an empty request, a slot-0 request, a window ending at
-    position M - 1, seq_len 0, NaN at every position no request reads (the tail blocks bring some)."""
-    case = mosaic_case(heads, D, seed=D)
-    for cfg in CFG_MOSAIC:
-        check(case, run_kernel(case, 8, cfg, interpret=True), TOL[jnp.bfloat16])
-
-
-def test_mosaic_layer_stack_interpret():
-    case = mosaic_case((12, 2), 64, seed=5)
-    nan = jnp.full_like(case["k_cache"], jnp.nan)
-    stacked = dict(case, k_cache=jnp.stack([nan, case["k_cache"]]), v_cache=jnp.stack([nan, case["v_cache"]]))
-    o = jax.jit(lambda c: pav.attention_verify(**c, t_max=8, config=CFG_MOSAIC[0], interpret=True, layer=1))(stacked)
-    check(case, o, TOL[jnp.bfloat16])
-
-
-def test_mosaic_refuses_what_it_does_not_cover():
-    """M not a multiple of 64, float32, or more than 64 rows: a ValueError naming split_kernel."""
-    case = mosaic_case((12, 2), 64, seed=1)
-    short = dict(case, k_cache=case["k_cache"][:, :300], v_cache=case["v_cache"][:, :300])
-    for c, t_max in ((short, 8), ({k: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v
-                                   for k, v in case.items()}, 8), (case, 16)):
-        with pytest.raises(ValueError, match="split_kernel"):
-            run_kernel(c, t_max, CFG_MOSAIC[0], interpret=True)
-    with pytest.raises(ValueError, match="split_kernel"):
-        pav.AttentionVerifyConfig(split_kernel="cuda")
-
-
-def gather_oracle(q, qsl, t_max, kvh):
-    """numpy: tile (r, g) row t * rep + j = q[qsl[r] + t, g * rep + j] for t < length_r, else 0."""
-    q, qsl = np.asarray(q.astype(jnp.float32)), np.asarray(qsl)
-    n, hq, d = q.shape
-    rep = hq // kvh
-    out = np.zeros((len(qsl) - 1, kvh, 64, d), np.float32)
-    for r in range(len(qsl) - 1):
-        for t in range(qsl[r + 1] - qsl[r]):
-            for g in range(kvh):
-                out[r, g, t * rep:(t + 1) * rep] = q[qsl[r] + t, g * rep:(g + 1) * rep]
-    return out
-
-
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=[gpu, pytest.mark.gpu])],
-                         ids=["interpret", "gpu"])
-@pytest.mark.parametrize("heads,D,t_max", [((24, 4), 256, 8), ((12, 2), 192, 5), ((6, 1), 64, 10)],
-                         ids=["gqa6-d256-t8", "gqa6-d192-t5", "gqa6-d64-t10"])
-def test_mosaic_gather_queries(heads, D, t_max, interpret):
-    """The Mosaic path's query tiles: ragged windows (0 and t_max tokens among them), padding rows
-    after the last request; every row of every tile written (NaN-filled q rows outside the windows
-    must not leak)."""
-    Hq, KVH = heads
-    rng = np.random.default_rng(D + t_max)
-    lengths = [t_max, 0, 1, 3, t_max, 2]
-    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    q = rng.standard_normal((int(qsl[-1]) + 4, Hq, D)).astype(np.float32)
-    q[int(qsl[-1]):] = np.nan
-    q = jnp.asarray(q, jnp.bfloat16)
-    want = gather_oracle(q, qsl, t_max, KVH)
-    tiles = pav.avm.gather_queries(q, jnp.asarray(qsl), t_max, KVH, interpret=interpret)
-    np.testing.assert_array_equal(np.asarray(tiles.astype(jnp.float32)), want)
-    ref = pav.avm.gather_queries_reference(q, jnp.asarray(qsl), t_max, KVH)
-    np.testing.assert_array_equal(np.asarray(ref.astype(jnp.float32)), want)
-
-
-@pytest.mark.parametrize("B,M", [(1, 4096), (8, 1024), (1, 32768)])
-def test_mosaic_lowers_for_h200(B, M):
-    S = jax.ShapeDtypeStruct
-    cfg = pav.AttentionVerifyConfig(split_kernel="mosaic")
-    text = lower_for_h200(lambda *a: pav.attention_verify(*a, 8, config=cfg, interpret=False),
-                          S((B * 8, 24, 256), jnp.bfloat16), S((B + 1, M, 4, 256), jnp.bfloat16),
-                          S((B + 1, M, 4, 256), jnp.bfloat16), S((B + 1,), jnp.int32), S((B + 1,), jnp.int32),
-                          S((B,), jnp.int32))
-    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text        # split (Mosaic) + combine (Triton)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads,D", [((12, 2), 64), ((6, 1), 256)], ids=["gqa6-d64", "gqa6-d256"])
-def test_mosaic_gpu_small(heads, D):
-    case = mosaic_case(heads, D, seed=D)
-    for cfg in CFG_MOSAIC:
-        check(case, run_kernel(case, 8, cfg), TOL[jnp.bfloat16])
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,M,cfg", [
-    (1, 4096, dict(split_kernel="mosaic")), (8, 1024, dict(split_kernel="mosaic")),
-    (3, 20032, dict(split_kernel="mosaic")), (8, 3008, dict(split_kernel="mosaic", num_splits=7, min_split=128))],
-    ids=["b1-4k", "b8-1k", "b3-20k", "split7"])
-def test_mosaic_gpu_bench_heads(B, M, cfg):
-    """The Mosaic split kernel at the benchmark heads: bit-equal on poisoned and garbage caches, close
-    to the reference."""
-    garbage, poisoned = device_case(B + M + 1, B, 8, M)
-    check_device(garbage, poisoned, 8, pav.AttentionVerifyConfig(**cfg))

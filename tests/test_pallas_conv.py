@@ -210,6 +210,10 @@ def test_layer_stack(rpp):
     for other in (0, 2):
         np.testing.assert_array_equal(oracle.bits(np.asarray(w[other])),
                                       oracle.bits(np.asarray(stacked["conv_window"][other])), f"layer {other}")
+    traced = jax.jit(lambda c, i: pconv.conv_verify(**c, config=config, interpret=True, layer=i))
+    y_t, w_t = traced(stacked, jnp.int32(1))                   # one kernel for every layer of the stack
+    np.testing.assert_array_equal(oracle.bits(np.asarray(y_t)), oracle.bits(np.asarray(y)), "y, traced layer")
+    np.testing.assert_array_equal(oracle.bits(np.asarray(w_t)), oracle.bits(np.asarray(w)), "window, traced layer")
     assert pconv.supports_conv_verify(**stacked, layer=2)
     assert not pconv.supports_conv_verify(**stacked, layer=3) and not pconv.supports_conv_verify(**stacked)
     y_ref, w_ref = jax.jit(lambda c: op_conv_verify(**c, layer=1, impl="ref"))(stacked)

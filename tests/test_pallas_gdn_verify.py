@@ -5,7 +5,6 @@ Triton kernel at model shapes. Both check every element the contract writes (out
 zero rows of padding and null-slot requests, the window's ring records) and that everything else in
 the ring is bit-identical; interpret mode fills fresh outputs with NaN, so unwritten rows fail.
 """
-import dataclasses
 import functools
 
 import jax
@@ -17,7 +16,6 @@ import oracle
 from gpu_lowering import lower_for_h200
 from jaxspec.ops.gdn import gdn_verify
 from jaxspec.pallas import gdn_verify as kv
-from jaxspec.pallas import gdn_verify_two_pass as two_pass
 
 bf16 = jnp.bfloat16
 ON_GPU = jax.default_backend() == "gpu"
@@ -26,9 +24,6 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 # Small CPU shapes: r = 3 value heads per key head, 2 V blocks, 2 K chunks, ring 16.
 SMALL = dict(H=2, HV=6, K=32, V=32, L=16, S1=6)
 SMALL_CFG = kv.VerifyConfig(block_v=16, block_k=16)
-KEY_CFG = kv.VerifyConfig(group="key_head", block_v=16, block_k=16, prefetch=True)   # the other groupings
-TWO_CFG = kv.VerifyConfig(group="two_pass", block_v=16, block_k=16)
-GROUP_CFGS = pytest.mark.parametrize("cfg", [SMALL_CFG, KEY_CFG, TWO_CFG], ids=["value_head", "key_head", "two_pass"])
 # (slot, window length): slot 0 is a padding request, slot 2 is not in the batch; 5 = t_max, 0 empty.
 REQUESTS = [(3, 5), (0, 3), (1, 2), (5, 0), (4, 1)]
 T_MAX, N_PAD = 5, 2
@@ -184,16 +179,12 @@ TOL = {("f32", "f32"): 2e-5, ("f32", "bf16-hilo"): 5e-5, ("bf16", "bf16-hilo"): 
 # ------------------------------------------------------------------------------ CPU (interpret)
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="group"):
-        kv.VerifyConfig(group="request")
     with pytest.raises(ValueError, match="block_k"):
         kv.VerifyConfig(block_k=8)
     with pytest.raises(ValueError, match="block_v"):
         kv.VerifyConfig(block_v=48)
     with pytest.raises(ValueError, match="block_v"):
         kv.VerifyConfig(block_v=8)
-    with pytest.raises(ValueError, match="prefetch"):
-        kv.VerifyConfig(prefetch=1)
     with pytest.raises(ValueError, match="coeff_warps"):
         kv.VerifyConfig(coeff_warps=32)
     with pytest.raises(ValueError, match="coeff_warps"):
@@ -224,32 +215,21 @@ def test_matches_reference(hist, ckpt_dtype, ring):
     check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
 
 
-@pytest.mark.parametrize("cfg", [KEY_CFG, TWO_CFG], ids=["key_head", "two_pass"])
-@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo")])
-@pytest.mark.parametrize("hist", ["empty", "partial", "full", "overflow"])
-def test_other_groupings_match_reference(hist, ckpt_dtype, ring, cfg):
-    args = make_case(11, hist, {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype], ring)
-    got = as_np(_kernel_fn(T_MAX, cfg, True)(*args))
-    exp = as_np(_ref_fn(T_MAX)(*args))
-    check_against_ref(args, got, exp, T_MAX, TOL[(ckpt_dtype, ring)])
-
-
-@GROUP_CFGS
-def test_decode_t1(cfg):
+def test_decode_t1():
     """T = 1 (the decode path) through the same kernel: every request has one token."""
     reqs = [(2, 1), (0, 1), (5, 1), (1, 0), (3, 1)]
     args = make_case(20, "partial", jnp.float32, "f32", requests=reqs, t_max=1, n_pad=3)
-    got = as_np(_kernel_fn(1, cfg, True)(*args))
+    got = as_np(_kernel_fn(1, SMALL_CFG, True)(*args))
     exp = as_np(_ref_fn(1)(*args))
     check_against_ref(args, got, exp, 1, 2e-5)
 
 
 def coefficient_groupings(args, t_max, interpret):
-    """The two-pass coefficient kernel with one value head per program and with the r heads of a
+    """The coefficient kernel with one value head per program and with the r heads of a
     key head per program, on the same inputs: (M, M_h, ring_k, ring_g) of each, as numpy."""
     q, k, v, g, beta, ckpt, rk, ru, rg, wpos, qsl, slots = args
     ratio = v.shape[1] // q.shape[1]
-    run = lambda hpp: [np.asarray(x) for x in jax.jit(lambda *a: two_pass.coefficients(
+    run = lambda hpp: [np.asarray(x) for x in jax.jit(lambda *a: kv.coefficients(
         *a, t_max, block_k=16, num_warps=1, interpret=interpret, layer=None, heads_per_program=hpp))(
         q, k, g, beta, rk, rg, wpos, qsl, slots)]
     return run(1), run(ratio)
@@ -263,7 +243,7 @@ def written_coefficients(args, t_max):
 
 
 @pytest.mark.parametrize("hist", ["empty", "partial"])
-def test_two_pass_coefficients_same_per_head_or_key_head(hist):
+def test_coefficients_same_per_head_or_key_head(hist):
     """A request's coefficients do not depend on the grouping the batch size picks: bit-identical."""
     args = make_case(22, hist, jnp.float32, "f32")
     (m1, mh1, rk1, rg1), (m3, mh3, rk3, rg3) = coefficient_groupings(args, T_MAX, True)
@@ -273,17 +253,17 @@ def test_two_pass_coefficients_same_per_head_or_key_head(hist):
     np.testing.assert_array_equal(oracle.bits(rk1), oracle.bits(rk3))
     np.testing.assert_array_equal(oracle.bits(rg1), oracle.bits(rg3))
     with pytest.raises(ValueError, match="heads_per_program"):
-        two_pass.coefficients(*(args[i] for i in (0, 1, 3, 4, 6, 8, 9, 10, 11)), T_MAX, block_k=16, num_warps=1,
+        kv.coefficients(*(args[i] for i in (0, 1, 3, 4, 6, 8, 9, 10, 11)), T_MAX, block_k=16, num_warps=1,
                               interpret=True, layer=None, heads_per_program=2)
 
 
 @pytest.mark.parametrize("t_max", [12, 19], ids=["t12", "t19"])
-def test_two_pass_long_windows(t_max):
-    """Windows whose token tile is the coefficient kernel's own (16) or larger (32)."""
+def test_long_windows(t_max):
+    """Windows whose token tile is 16 or 32 (the coefficient kernel's own tile or larger)."""
     reqs = [(2, t_max), (0, 3), (5, t_max - 5), (1, 0), (3, 1)]
     args = make_case(21, "partial", jnp.float32, "f32", requests=reqs, t_max=t_max, n_pad=3,
                      shapes=dict(SMALL, L=32))
-    got = as_np(_kernel_fn(t_max, TWO_CFG, True)(*args))
+    got = as_np(_kernel_fn(t_max, SMALL_CFG, True)(*args))
     exp = as_np(_ref_fn(t_max)(*args))
     check_against_ref(args, got, exp, t_max, 5e-5)
 
@@ -322,17 +302,18 @@ def check_stacked(cases, layer, run_stacked, run_single):
         np.testing.assert_array_equal(oracle.bits(g[others]), oracle.bits(o[others]), "ring_u other layers")
 
 
-@GROUP_CFGS
 @pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
-def test_layer_stack_in_place(ckpt_dtype, ring, cfg):
+def test_layer_stack_in_place(ckpt_dtype, ring):
     """With `layer`, the kernel reads the checkpoint stack and writes the ring stacks at that layer
     (the model passes whole stacks: no per-layer copy); the reference path does the same."""
     dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
     cases = [make_case(60 + i, "partial", dt, ring) for i in range(3)]
     for layer in (0, 2):
-        check_stacked(cases, layer, jax.jit(lambda *a: kv.gdn_verify(*a, T_MAX, config=cfg, interpret=True,
+        check_stacked(cases, layer, jax.jit(lambda *a: kv.gdn_verify(*a, T_MAX, config=SMALL_CFG, interpret=True,
                                                                       layer=layer)),
-                      _kernel_fn(T_MAX, cfg, True))
+                      _kernel_fn(T_MAX, SMALL_CFG, True))
+    traced = jax.jit(lambda i, *a: kv.gdn_verify(*a, T_MAX, config=SMALL_CFG, interpret=True, layer=i))
+    check_stacked(cases, 2, functools.partial(traced, jnp.int32(2)), _kernel_fn(T_MAX, SMALL_CFG, True))
     check_stacked(cases, 1, jax.jit(lambda *a: gdn_verify(*a, T_MAX, layer=1, impl="ref")), _ref_fn(T_MAX))
     stacked = stack_layers(cases)
     assert kv.supports(*stacked, T_MAX, layer=2)
@@ -342,18 +323,18 @@ def test_layer_stack_in_place(ckpt_dtype, ring, cfg):
 POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
 
 
-@pytest.fixture(scope="module", params=[SMALL_CFG, KEY_CFG, TWO_CFG], ids=["value_head", "key_head", "two_pass"])
-def clean_run(request):
+@pytest.fixture(scope="module")
+def clean_run():
     args = make_case(40, "partial", jnp.float32, "f32")
-    return args, request.param, _kernel_fn(T_MAX, request.param, True)(*args)
+    return args, _kernel_fn(T_MAX, SMALL_CFG, True)(*args)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
 def test_poison_contained(clean_run, field, bad):
     """A non-finite input at a rejected token leaves every earlier output and record bit-identical."""
-    args, cfg, clean = clean_run
-    oracle.check_verify_poison(args, clean, field, bad, _kernel_fn(T_MAX, cfg, True), POISON_REQ, POISON_T)
+    args, clean = clean_run
+    oracle.check_verify_poison(args, clean, field, bad, _kernel_fn(T_MAX, SMALL_CFG, True), POISON_REQ, POISON_T)
 
 
 # ------------------------------------------------------------------------------ H200 lowering
@@ -372,15 +353,12 @@ def bench_structs(batch, t_max, ckpt_dtype, hilo, ring_len=16):
             sd((s1,), jnp.int32), sd((batch + 1,), jnp.int32), sd((batch,), jnp.int32))
 
 
-@pytest.mark.parametrize("t_max,ckpt_dtype,hilo,ring_len,group", [
-    (8, bf16, True, 16, "value_head"), (16, jnp.float32, False, 32, "value_head"), (1, bf16, True, 16, "value_head"),
-    (32, jnp.float32, True, 64, "value_head"), (8, bf16, True, 16, "key_head"), (16, jnp.float32, False, 32, "key_head"),
-    (8, bf16, True, 16, "two_pass"), (1, bf16, True, 16, "two_pass"), (32, jnp.float32, False, 64, "two_pass")])
-def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len, group):
+@pytest.mark.parametrize("t_max,ckpt_dtype,hilo,ring_len", [
+    (8, bf16, True, 16), (1, bf16, True, 16), (16, jnp.float32, False, 32), (32, jnp.float32, True, 64)])
+def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len):
     structs = bench_structs(128, t_max, ckpt_dtype, hilo, ring_len)
     assert kv.supports(*structs, t_max)
-    cfg = dataclasses.replace(kv.default_config(ckpt_dtype, BENCH["V"]), group=group, prefetch=group == "key_head")
-    text = lower_for_h200(lambda *a: kv.gdn_verify(*a, t_max, config=cfg, interpret=False), *structs)
+    text = lower_for_h200(lambda *a: kv.gdn_verify(*a, t_max, interpret=False), *structs)
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -401,23 +379,13 @@ GPU_SHAPES = dict(H=16, HV=48, K=128, V=128, L=16, S1=12)
 GPU_REQUESTS = [(3, 8), (0, 5), (1, 2), (7, 0), (4, 1), (9, 8), (11, 3), (0, 8)]
 
 
-def gpu_config(group, ckpt_dtype):
-    """The default config for two_pass; the one-kernel groupings with their own fastest tiles
-    (128-wide V blocks for bf16, 64 for fp32; prefetch on for key_head)."""
-    if group == "two_pass":
-        return kv.default_config(ckpt_dtype, GPU_SHAPES["V"])
-    block_v = 64 if jnp.dtype(ckpt_dtype) == jnp.float32 else 128
-    return kv.VerifyConfig(group=group, block_v=block_v, prefetch=group == "key_head")
-
-
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("group", kv.GROUPS)
 @pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo")])
 @pytest.mark.parametrize("hist", ["empty", "partial", "full"])
-def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
+def test_gpu_matches_reference(hist, ckpt_dtype, ring):
     dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
-    cfg = gpu_config(group, dt)
+    cfg = kv.default_config(dt, GPU_SHAPES["V"])
     args = make_case(50, hist, dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
     got = as_np(_kernel_fn(8, cfg, False)(*args))
     exp = as_np(_ref_fn(8)(*args))
@@ -428,7 +396,7 @@ def test_gpu_matches_reference(hist, ckpt_dtype, ring, group):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_two_pass_coefficients_same_per_head_or_key_head():
+def test_gpu_coefficients_same_per_head_or_key_head():
     args = make_case(51, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
     (m1, mh1, rk1, rg1), (m3, mh3, rk3, rg3) = coefficient_groupings(args, 8, False)
     real, hist_rows = written_coefficients(args, 8)
@@ -450,23 +418,21 @@ def test_gpu_layer_stack_in_place(ckpt_dtype, ring):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("group", kv.GROUPS)
 @pytest.mark.parametrize("t_max", [1, 16, 27])
-def test_gpu_t_max(t_max, group):
+def test_gpu_t_max(t_max):
     reqs = [(3, t_max), (0, 1), (1, max(1, t_max // 2)), (7, 0), (4, 1)]
     args = make_case(60, "partial", bf16, "bf16-hilo", requests=reqs, t_max=t_max, n_pad=3,
                      shapes=dict(GPU_SHAPES, L=32))
-    got = as_np(_kernel_fn(t_max, gpu_config(group, bf16), False)(*args))
+    got = as_np(_kernel_fn(t_max, None, False)(*args))
     exp = as_np(_ref_fn(t_max)(*args))
     check_against_ref(args, got, exp, t_max, 1e-4)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("group", kv.GROUPS)
 @pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
-def test_gpu_poison_contained(field, group):
+def test_gpu_poison_contained(field):
     args = make_case(70, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5,
                      shapes=GPU_SHAPES)
-    fn = _kernel_fn(8, gpu_config(group, jnp.float32), False)
+    fn = _kernel_fn(8, None, False)
     oracle.check_verify_poison(args, fn(*args), field, np.nan, fn, POISON_REQ, POISON_T)

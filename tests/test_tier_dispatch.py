@@ -53,7 +53,7 @@ def model():
 @pytest.fixture(scope="module")
 def table(model):
     vocab = model.config.vocab_size
-    logits, *_ = target_mod._prefill_layers(model, jnp.arange(vocab)[:, None], jnp.ones((vocab,), jnp.int32), (),
+    logits, *_ = target_mod.prefill_layers(model, jnp.arange(vocab)[:, None], jnp.ones((vocab,), jnp.int32), (),
                                             "ref")
     return jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
 

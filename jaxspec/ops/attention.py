@@ -61,7 +61,7 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     -> o [N, Hq, D] in q.dtype.
 
     Window token t of request r sits at position p = seq_lens[slots[r]] + t and reads cache
-    positions 0..p. Padding rows and slot-0 requests output 0. With `layer` (a static int) the
+    positions 0..p. Padding rows and slot-0 requests output 0. With `layer` (an int or int32 scalar) the
     caches are the layer stacks [A, S1, M, KVH, D] and that layer is read: the kernel reads the
     stack in place (a layer slice handed to a kernel is a copy of the whole layer cache).
     """
@@ -99,7 +99,7 @@ def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, conte
     """A draft block attending to its slot's cached context and, bidirectionally, to itself.
 
     q [B, T, Hq, D]; caches [S1, M, KVH, D] (context positions 0..ctx_len-1 valid), or layer stacks
-    [A, S1, M, KVH, D] with `layer` the static index; ctx_len [B]; slots [B] (0 = padding row);
+    [A, S1, M, KVH, D] with `layer` the index; ctx_len [B]; slots [B] (0 = padding row);
     k_block, v_block [B, T, KVH, D]; context_window static (0 = the whole context, else only
     positions >= ctx_len - context_window) -> (o [B, T, Hq, D] in q.dtype, k_cache, v_cache).
 

@@ -44,12 +44,11 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, l
     Request r continues from conv_state[slots[r]]; conv_window'[slots[r], s] = x of its window
     token s (s < len_r), every other entry unchanged. Padding rows and slot-0 requests output 0.
 
-    layer: None, or a static int when conv_state and conv_window are stacks over the GDN layers
-    ([G, S1, ...]); the returned window is then the stack with that layer's rows written. The
+    layer: None, or an int / int32 scalar (traced is fine) when conv_state and conv_window are
+    stacks over the GDN layers ([G, S1, ...]); the returned window is then the stack with that layer's rows written. The
     kernel reads and writes the stacks in place (a per-layer slice handed to a kernel is a copy).
     """
-    stacks_ok = layer is None or impl == "pallas" or pallas_conv.LAYER_STACKS_GPU_VALIDATED
-    if use_kernel("conv_verify", impl, lambda: stacks_ok and pallas_conv.supports_conv_verify(
+    if use_kernel("conv_verify", impl, lambda: pallas_conv.supports_conv_verify(
             x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)):
         return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)
     if layer is not None:      # the layer's slices (copies), through the kernel where it applies

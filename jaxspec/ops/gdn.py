@@ -1,6 +1,6 @@
 """Gated DeltaNet (GDN): gating, l2norm, recurrent and chunked prefill, replay verify, fold.
 
-Per token, per value head, with h [K, V] (DESIGN section 3):
+Per token, per value head, with h [K, V] (docs/design.md section 3):
     h <- e^g h ;  u = beta (v - h^T k) ;  h <- h + k u^T ;  o = h^T q      (read after the update)
 q and k arrive l2-normalised (q also scaled by K^-1/2); value head hv reads key head hv // r with
 r = HV / H. u is the *corrected* update, so the state after any prefix of records (k_j, u_j, g_j) on
@@ -148,7 +148,8 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
 
 def _fold_state(h0, keys, updates, gates, num_records):
     """h0 [B, HV, K, V] f32; keys [B, H, L, K]; updates [B, HV, L, V] f32; gates [B, HV, L];
-    num_records [B] -> e^{G_m} h0 + sum_{j<m} e^{G_m - G_j} k_j u_j^T (records j >= m ignored)."""
+    num_records [B] -> e^{G_m} h0 + sum_{j<m} e^{G_m - G_j} k_j u_j^T with G_j = g_0 + .. + g_j and
+    G_m the sum of the m live gates (records j >= m ignored)."""
     hv, ring_len = gates.shape[1], gates.shape[2]
     live = (jnp.arange(ring_len)[None, :] < num_records[:, None])[:, None, :]            # [B, 1, L]
     G = jnp.cumsum(_where(live, gates.astype(jnp.float32)), axis=-1)
@@ -224,8 +225,8 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     written at ring positions write_pos[slot] + t. The checkpoint is only read. Padding rows and
     slot-0 requests output 0 and write nothing.
 
-    layer: None, or a static int when ckpt, ring_k, ring_u and ring_g are stacks over the GDN
-    layers ([G, S1, ...]); the returned rings are then the stacks with that layer's records
+    layer: None, or an int / int32 scalar (traced is fine) when ckpt, ring_k, ring_u and ring_g
+    are stacks over the GDN layers ([G, S1, ...]); the returned rings are then the stacks with that layer's records
     written. The kernel reads and writes the stacks in place (a per-layer slice passed to a kernel
     is a copy XLA must make, and writing it back is another).
     """

@@ -3,9 +3,8 @@
 Precision by operand dtype: float32 operands multiply at precision=HIGHEST (IEEE float32: the
 tests hold the model to float64 oracles and transformers at float32); bfloat16 operands use the
 default precision (bf16 products, float32 accumulation on the tensor cores) with a bfloat16
-result. HIGHEST on bf16 operands buys nothing and is slow where few rows are multiplied: on the
-H200 a batch-1 SwiGLU MLP at Qwen3.5-27B shapes took 1.91x its weight-read time with HIGHEST and
-a float32 result, 1.00x as a plain bf16 product (bench/skinny_gemm.py).
+result. HIGHEST on bf16 operands buys nothing and is slow where few rows are multiplied: a batch-1
+MLP then takes well over its weight-read time (bench/skinny_gemm.py, bench/RESULTS.md).
 """
 import jax
 import jax.numpy as jnp

@@ -1,69 +1,38 @@
-"""Pallas (Triton lowering) kernel for verify attention: packed ragged windows against the slot KV cache.
+"""Verify attention as Pallas Triton kernels: packed ragged windows against the slot KV cache.
 
-Contract: `jaxspec.ops.attention.attention_verify` (its jnp reference, `impl="ref"`, is the semantics):
-q [N, Hq, D] packed (request r owns rows query_start_loc[r] : query_start_loc[r+1], 1..t_max of
-them); caches [S1, M, KVH, D]; window token t of request r sits at position p = seq_lens[slots[r]] + t
-and reads cache positions 0..p (all of 0..M-1 when p >= M); query head h reads kv head h // (Hq/KVH);
-scale D^-1/2, softmax in float32; padding rows (>= query_start_loc[B]) and slot-0 requests output 0.
-The draft's block attention (`jaxspec.ops.attention.attention_block`) is the same call with
-causal=False (every window token reads up to the window's last position: bidirectional inside the
-window) and key_window=w > 0 (keys from max(0, seq_len - w) on: a sliding context window).
+Contract: `jaxspec.ops.attention.attention_verify` (its jnp reference, `impl="ref"`, is the
+semantics): q [N, Hq, D] packed (request r owns rows query_start_loc[r] : query_start_loc[r+1],
+1..t_max of them); caches [S1, M, KVH, D], or [A, S1, M, KVH, D] stacks with a `layer` index;
+window token t of request r sits at p = seq_lens[slots[r]] + t and reads cache positions
+0..min(p, M-1); q head h reads kv head h // (Hq / KVH); scale D^-1/2, softmax in float32; padding
+rows (>= query_start_loc[B]) and slot-0 requests output 0. `ops.attention.attention_block` (the
+draft) calls it with causal=False (every window token reads up to the window's last position) and
+key_window = w > 0 (keys from max(0, seq_len - w) on).
 
-Design (flash decoding)
------------------------
-Verify attention is a read of the KV cache: T (<= 16) queries per head against thousands of keys,
-~8 flop per KV byte at T = 8, GQA 6. So the kernel is built to read each request's K and V once
-and to keep every SM streaming:
+Design (split-KV flash decoding; the op is a read of the KV cache):
+* Grid (B, KVH, num_splits). A program stacks every window token t and q head j of its kv head's
+  GQA group as the rows i = t * rep + j of one tile (R = next_pow2(t_max * rep) >= 16 rows), so
+  K/V are read once for all of them and both dots (Q K^T, P V) have M = R: Hopper's warpgroup MMA.
+* Split s covers keys [lo + s * chunk, min(lo + (s+1) * chunk, n)), lo the first key read,
+  n = min(seq_len + len, M): the loop bound comes from seq_lens, never M. chunk is per request
+  (`split_range`, at least min_split), so a short context uses fewer, fuller splits. num_splits =
+  target_programs // (B * KVH), at least 1: one program per SM is resident (its K/V pipeline
+  buffers fill shared memory), so that is one full wave.
+* Online softmax in the log2 domain (float32 m, l, accumulator). Keys past the split's end (blocks
+  overhanging M included: the Triton lowering does not mask them) are not loaded and score -inf;
+  the causal mask applies per row; m starts at -1e30 (finite), so an empty row gets p = 0, no NaN.
+* num_splits > 1: programs write normalised partials o_s (`partial_dtype`) and lse_s (float32;
+  -1e30 for an empty split); the combine kernel loads all of a tile's splits in one masked 3-D load
+  (addressed by the program id alone) and writes o = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+* The kernel that writes o also writes its zeros (slot-0 rows; padding rows split over the B
+  programs of each kv head): every element of o is written exactly once.
 
-* Row stack. One program owns one (request, kv head) pair and stacks ALL its queries that read
-  that kv head, i.e. every window token t and every q head j of the GQA group, as the rows of one
-  tile: row i = t * rep + j (rep = Hq / KVH), R = next_pow2(t_max * rep) >= 16 rows (T 8, GQA 6:
-  48 real rows in a 64-row tile). The K/V of a kv head is then read once for its rep q heads,
-  and the two dots per key block, S = Q K^T [R, block_k] and O += P V [R, D], have M = R >= 64
-  at the benchmark shape: Hopper's warpgroup MMA, fp32 accumulation. q is read with a gather
-  (row -> (token, head)) and o written with a scatter, both masked to the real rows.
-* Split KV. Grid (B, KVH, num_splits): program s covers keys [s * chunk, min((s+1) * chunk, n))
-  of the request, n = min(seq_len + len, M) the keys that exist (nothing past the request's last
-  position is read: the loop bound comes from seq_lens, not from M). chunk is computed in the
-  kernel per request: cdiv(n, num_splits) rounded up to block_k, at least `min_split` keys, so a
-  short context uses fewer, fuller splits, and a program whose split is empty reads no key.
-  num_splits (static) = 132 // (B * KVH), at least 1: with one resident program per SM (the K/V
-  pipeline buffers take 96-192 KB of shared memory at D 256) B * KVH * num_splits <= 132 programs
-  is one full wave (batch 1: 33 splits, batch 8: 4, batch >= 33: 1, where the kernel writes o).
-* Online softmax in the log2 domain (scores * D^-1/2 * log2 e, exp2), float32 m, l and
-  accumulator in registers; every key block is masked: keys >= the split's end (this also masks
-  blocks that overhang M: the Triton lowering does not) are not loaded (zeros) and score -inf, and
-  the causal mask key <= p applies per row. m starts at -1e30 (finite), so a row with no visible
-  key yet gets p = exp2(-inf - m) = 0 and no NaN.
-* num_splits > 1: each program writes its normalised partial o_s = acc / l [R, D] (in the input
-  dtype by default: `partial_dtype`) and lse_s = m + log2 l [R] (float32) for the real rows; a
-  program whose split is empty runs no key block and writes o_s = 0, lse_s = -1e30. A second
-  kernel, grid (B, KVH, row tiles x column tiles), loads every split's lse and o of its [rows,
-  columns] tile at once (one masked 3-D load, [pow2(num_splits), rows, cols] of ~8192 values: all
-  of them in flight together, no serial loop over splits, addressed by the program id alone, so
-  issued beside the request's scalars rather than after them), and writes o = sum_s 2^(lse_s -
-  max) o_s / sum_s 2^(lse_s - max) packed; an empty split weighs 0.
-* Whichever kernel writes the output (the main one when num_splits == 1, else the combine) also
-  writes its zeros: the rows of slot-0 requests, and the padding rows [query_start_loc[B], N),
-  which are split evenly over the B programs of each kv head (no zero-fill pass over o, no extra
-  programs). Every element of o is written exactly once.
-
-Numerics: bf16 inputs (the benchmark case): bf16 x bf16 MMAs with fp32 accumulation, P rounded to
-bf16 for the P V dot (as flash attention does). fp32 inputs: both dots at precision=HIGHEST (IEEE
-fp32 on the CUDA cores: exact to fp32 rounding, but far slower than the tensor cores; fp32 is the
-small-model / test case, not the fast path). Triton's CUDA-core dot holds a whole K extent of each
-operand per thread in registers, so the fp32 dots are cut into 32-column head-dim chunks (block_d)
-and q is re-read (L1/L2) inside the key loop instead of pinned in registers. q, k and v must share
-one dtype (supports() says so).
-
-Assumed (the packed layout guarantees it): query_start_loc[0] == 0, non-decreasing, each length
-<= t_max, query_start_loc[B] <= N; slots in [0, S1).
-
-Triton-lowering notes: every access is a masked load/store over a power-of-two block (key tail,
-head-dim tail when D is not a power of two, rows past the window); refs are whole arrays (no
-BlockSpec), offsets computed in the kernel. Gathers/scatters use all-array indexers (interpret
-mode supports array indexers only when no slice is mixed in); masked scatter lanes point past the
-array so that interpret mode drops them.
+Numerics: bf16 MMAs with float32 accumulation, P rounded to bf16 for P V (as flash attention does);
+float32 inputs (small models, tests) use precision=HIGHEST dots on the CUDA cores in head-dim chunks
+(`block_d`). Assumed (the packed layout guarantees it): query_start_loc[0] == 0, non-decreasing,
+lengths <= t_max, query_start_loc[B] <= N, slots in [0, S1). Interpret mode needs all-array
+indexers for gathers and scatters, and drops masked scatter lanes pointed past the array.
+Timings: bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -74,18 +43,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas import attention_verify_mosaic as avm
-from jaxspec.pallas.tiles import gqa_row_map, is_pow2, next_pow2
+from jaxspec.pallas.hardware import NUM_SMS, default_interpret
+from jaxspec.pallas.tiles import gqa_row_map, is_layer_index, is_pow2, layer_operand, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
 MAX_ROWS = 128            # rows of the stacked (token, q head) tile: t_max * Hq/KVH <= 128
 MAX_TILE = 128 * 256      # R * D (padded) <= 32768: the fp32 accumulator lives in registers
 MAX_D = 256
-NUM_SMS = 132             # H200
 NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
 LOG2E = 1.4426950408889634
-SPLIT_KERNELS = ("triton", "mosaic")
 PARTIAL_DTYPES = ("float32", "bfloat16")
 
 
@@ -96,11 +63,9 @@ class AttentionVerifyConfig:
     block_k: keys per step of a program's loop (power of two, 16..256). None: 16 for fp32; for bf16
       16 (with 4 pipeline stages) when the requests alone fill the SMs (B * KVH > target_programs
       / 2: one split); 64 (with 3 stages) where the splits are long (M >= 512 * num_splits) and
-      the tile at most 64 x 256; else 32 (with 3 stages). H200 (bench/RESULTS.md): 16 x 4 stages
-      was 6-12 % faster at every batch >= 64 shape (2026-12-01); 64 x 3 took the split kernel of
-      batch 1 / 32k and batch 8 / 4k from 43.1 / 44.6 to 41.0 / 42.4 us of GPU time and was 6 %
-      slower at batch 8 / 1k (260-key splits), 2026-12-02 (fifth session). A 128-row tile (T 16,
-      GQA 6) with 64 x 3 stages failed its GPU test (shared memory, most likely): it keeps 32.
+      the tile at most 64 x 256; else 32 (with 3 stages). The deeper pipeline pays only on long
+      splits; a 128-row tile (T 16, GQA 6) with 64 keys x 3 stages exceeds shared memory, so it
+      keeps 32.
     block_d: head-dim chunk of the main kernel's dots (power of two, 16..256). None: the whole
       (padded) D for bf16 (one tensor-core MMA with K = D), 32 for fp32: the fp32 dots
       (precision=HIGHEST) run on the CUDA cores, where Triton holds a whole K extent of each
@@ -108,34 +73,26 @@ class AttentionVerifyConfig:
       inside the key loop rather than pinned in registers.
     num_splits: KV splits per (request, kv head), 1..512. None: target_programs // (B * KVH),
       at least 1, at most the number of min_split chunks of M. With one resident program per
-      SM (shared memory), B * KVH * num_splits <= 132 is one full wave (batch 1: 33 splits,
-      batch 8: 4, batch >= 33: 1, where the main kernel writes o itself).
+      SM (shared memory), B * KVH * num_splits <= NUM_SMS is one full wave; with one split the
+      main kernel writes o itself (no combine).
     min_split: the fewest keys a split covers (a power of two >= 16, rounded up to block_k): a
-      short context is cut into fewer, fuller pieces (fewer partials to merge). 64: batch 1 / 1k
-      in 17 splits took 10.1 us of GPU time against 15.7 in 5 splits of 256 (the key loop's
-      per-block latency, not the merge, sets the time there); batch 1 / 4k 14.2 against 16.8.
-    target_programs: programs the split aims at (>= 1): one per H200 SM by default.
+      short context is cut into fewer, fuller pieces (fewer partials to merge): the key loop's
+      per-block latency, not the merge, sets the time of short splits.
+    target_programs: programs the split aims at (>= 1): one per SM by default.
     num_warps: warps of the main kernel (1, 2, 4, 8 or 16). None: R * D / 2048 (fp32) or
       R * D / 4096 (bf16) clipped to 4..16 (the fp32 accumulator is R * D / (32 * num_warps)
-      registers a thread: 64 for fp32 at 8 warps, 128 for bf16 at 4 warps for the 64 x 256 tile of
-      the benchmark shape; fewer warps measured faster for bf16, whose dots are tensor-core MMAs).
+      registers a thread: 64 for fp32 at 8 warps, 128 for bf16 at 4 warps for a 64 x 256 tile;
+      fewer warps are faster for bf16 on the H200, whose dots are tensor-core MMAs).
     num_stages: Triton software-pipelining depth of the key loop (1..4). None: 1 for fp32; for bf16
       4 with 16-key blocks, 3 with 32- and 64-key blocks (K and V blocks in flight while one is
       multiplied).
     combine_block_d: head-dim columns per program of the split-merge kernel (power of two 16..256).
     combine_warps: warps of the split-merge kernel (1, 2, 4, 8 or 16).
-    split_kernel: "triton" (default) or "mosaic": where the call splits, the Mosaic GPU split kernel
-      (jaxspec/pallas/attention_verify_mosaic.py: bf16, M a multiple of 64, t_max * Hq / KVH <= 64;
-      block_k 64, num_stages = its K / V slots, 2) computes the partials; the path is 1.2-1.35x
-      the Triton one's GPU time on the H200 (2026-12-03, second session), kept as the
-      warp-specialised starting point.
     partial_dtype: None, "float32" or "bfloat16": the dtype in which the Triton split kernel stores
       its normalised partials o_s = acc / l for the merge (lse stays float32). None: the input's
       dtype. bfloat16 halves the partials' bytes (written by the split kernel, read by the
       combine), as vLLM's paged attention v2 keeps its partials in the output dtype, at one
-      extra bfloat16 rounding (relative 2^-9) before the merge: on the H200 it took the GPU
-      time of 1 x 4k / 8 x 1k / 1 x 1k (T 8, 24 / 4 heads, D 256) from 14.1 / 20.2 / 10.0 to
-      13.0 / 18.7 / 9.5 us (2026-12-03, fourth session). The Mosaic split kernel stores float32.
+      extra bfloat16 rounding (relative 2^-9) before the merge.
     """
     block_k: int | None = None
     block_d: int | None = None
@@ -146,7 +103,6 @@ class AttentionVerifyConfig:
     num_stages: int | None = None
     combine_block_d: int = 64
     combine_warps: int = 4
-    split_kernel: str = "triton"
     partial_dtype: str | None = None
 
     def __post_init__(self):
@@ -169,13 +125,8 @@ class AttentionVerifyConfig:
             raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
         if self.combine_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
-        if self.split_kernel not in SPLIT_KERNELS:
-            raise ValueError(f"{name}.split_kernel={self.split_kernel!r}: must be one of {SPLIT_KERNELS}")
         if self.partial_dtype is not None and self.partial_dtype not in PARTIAL_DTYPES:
             raise ValueError(f"{name}.partial_dtype={self.partial_dtype!r}: must be one of {PARTIAL_DTYPES}")
-        if self.split_kernel == "mosaic" and self.partial_dtype not in (None, "float32"):
-            raise ValueError(f"{name}.partial_dtype={self.partial_dtype!r}: the Mosaic split kernel "
-                             "(split_kernel='mosaic') stores float32 partials only")
 
     def resolve(self, num_requests: int, kv_heads: int, max_len: int, rows: int, d: int, dtype) -> dict:
         """The launch plan of a call (all static)."""
@@ -184,7 +135,7 @@ class AttentionVerifyConfig:
         fills = 2 * num_requests * kv_heads > self.target_programs        # one split per (request, head)
         num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
         # 64-key blocks where splits are long (>= 512 keys) and the tile small: 64 keys x 3 stages
-        # of K and V at D 256 is 192 KB of shared memory (a 128-row tile failed on the H200); on
+        # of K and V at D 256 is 192 KB of shared memory (a 128-row tile does not fit); on
         # short splits the deeper pipeline's fill costs more than it saves
         keys_64 = rows * d_pad <= 64 * 256 and max_len >= 512 * num_splits
         block_k = min(self.block_k or (16 if f32 or fills else 64 if keys_64 else 32), max(16, next_pow2(max_len)))
@@ -220,10 +171,10 @@ def supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer
 
     q, k_cache and v_cache share one dtype, bfloat16 or float32; D <= 256; Hq a multiple of KVH;
     t_max * Hq / KVH <= 128 rows, and rows (padded) x D (padded) <= 32768 (registers). With
-    `layer` (a static int) the caches are layer stacks [A, S1, M, KVH, D]."""
+    `layer` (an int or int32 scalar, traced is fine) the caches are layer stacks [A, S1, M, KVH, D]."""
     try:
         if layer is not None:
-            if not (isinstance(layer, int) and len(k_cache.shape) == 5 and 0 <= layer < k_cache.shape[0]
+            if not (len(k_cache.shape) == 5 and is_layer_index(layer, k_cache.shape[0])
                     and tuple(v_cache.shape) == tuple(k_cache.shape)):
                 return False
             k_cache = v_cache = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
@@ -305,13 +256,13 @@ def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmas
 # Kernels
 
 
-def _verify_kernel(qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
-                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, layer, causal,
+def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
+                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, stacked, causal,
                    key_window):
     r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     max_len = k_ref.shape[-3]
     # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
-    lay = () if layer is None else (jnp.int32(layer),)
+    lay = (layer_ref[0],) if stacked else ()
     start, length, slot = _request(qsl_ref, slots_ref, r)
     tok, head, in_win = gqa_row_map(jnp.arange(rows, dtype=jnp.int32), rep, t_max, g)
     valid = in_win & (tok < length)
@@ -399,8 +350,7 @@ def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests,
 
     Every split of a live request wrote its lse (NEG where its key range was empty), so the loads
     depend on the program id alone and are issued at once, beside the request's scalars, not after
-    a chain qsl, slots -> seq_lens -> key range; a zero weight selects an empty split's o_s away
-    (the Mosaic split kernel leaves it unwritten)."""
+    a chain qsl, slots -> seq_lens -> key range; a zero weight selects an empty split's o_s away."""
     o_ref = refs[-1]
     r, g, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     col_tiles = pl.cdiv(d, combine_d)
@@ -442,7 +392,7 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     """Verify attention; same contract as jaxspec.ops.attention.attention_verify.
 
     q [N, Hq, D]; k_cache, v_cache [S1, M, KVH, D], or layer stacks [A, S1, M, KVH, D] with
-    `layer` the static index to read; seq_lens [S1]; query_start_loc [B+1]; slots [B]; t_max
+    `layer` the index to read (an int or int32 scalar); seq_lens [S1]; query_start_loc [B+1]; slots [B]; t_max
     static -> o [N, Hq, D] in q.dtype.
     o_buffer: optional [N, Hq, D] array of q.dtype aliased to o; every element is overwritten
     (tests pass a NaN-filled one to prove it).
@@ -459,26 +409,13 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     if not (isinstance(key_window, int) and key_window >= 0):
         raise ValueError(f"key_window={key_window!r}: must be an int >= 0 (0 = every key from position 0)")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = default_interpret()
     config = config or AttentionVerifyConfig()
     n, hq, d = q.shape
     max_len, kvh = k_cache.shape[-3:-1]
     b = slots.shape[0]
     rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
     plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
-    mosaic = config.split_kernel == "mosaic" and plan["num_splits"] > 1
-    if mosaic and not (causal and key_window == 0):
-        raise ValueError("AttentionVerifyConfig.split_kernel='mosaic': the Mosaic split kernel is causal over "
-                         f"every key (causal=True, key_window=0), got causal={causal}, key_window={key_window}")
-    if mosaic:
-        block_k, stages = config.block_k or 64, config.num_stages or 2
-        if not avm.supports(q, k_cache, t_max, block_k, stages):
-            raise ValueError(f"AttentionVerifyConfig.split_kernel='mosaic': the Mosaic split kernel does not cover "
-                             f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, t_max {t_max}, "
-                             f"block_k {block_k}, num_stages {stages}")
-        min_split = max(plan["min_split"], block_k)
-        plan = {**plan, "block_k": block_k, "num_stages": stages, "min_split": min_split,
-                "num_splits": max(2, min(plan["num_splits"], pl.cdiv(max_len, min_split)))}
     num_splits = plan["num_splits"]
     final = num_splits == 1
     if o_buffer is not None and (o_buffer.shape != (n, hq, d) or o_buffer.dtype != q.dtype):
@@ -488,34 +425,24 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     extra = () if o_buffer is None else (o_buffer,)
     kernel = functools.partial(_verify_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d, d_pad=d_pad,
                                block_d=plan["block_d"], block_k=plan["block_k"], num_splits=num_splits,
-                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final, layer=layer,
+                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final,
+                               stacked=layer is not None,
                                causal=causal, key_window=key_window)
     main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if final:
         return pl.pallas_call(
             kernel, out_shape=o_shape, grid=(b, kvh, 1),
-            input_output_aliases={} if o_buffer is None else {6: 0},
+            input_output_aliases={} if o_buffer is None else {7: 0},
             compiler_params=main_params, interpret=interpret, name="attention_verify",
-        )(*ints, q, k_cache, v_cache, *extra)
+        )(layer_operand(layer), *ints, q, k_cache, v_cache, *extra)
 
-    if mosaic:
-        qsl, slots_i, seq_lens_i = ints
-        length = qsl[1:] - qsl[:-1]
-        seq_len = seq_lens_i[jnp.maximum(slots_i, 0)]
-        n_keys, chunk = split_range(seq_len, length, max_len, num_splits, plan["block_k"], plan["min_split"])
-        n_keys = jnp.where((slots_i > 0) & (length > 0), n_keys, 0)
-        info = jnp.stack([n_keys, slots_i, seq_len, chunk], axis=1)                           # [B, 4]
-        opart, lse = avm.split_partials(q, k_cache, v_cache, info, qsl, t_max, num_splits=num_splits,
-                                        block_k=plan["block_k"], stages=plan["num_stages"], layer=layer,
-                                        interpret=interpret)
-    else:
-        opart, lse = pl.pallas_call(
-            kernel,
-            out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), plan["partial_dtype"]),
-                       jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
-            grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
-            name="attention_verify_split",
-        )(*ints, q, k_cache, v_cache)
+    opart, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), plan["partial_dtype"]),
+                   jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
+        grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
+        name="attention_verify_split",
+    )(layer_operand(layer), *ints, q, k_cache, v_cache)
     combine_d = plan["combine_d"]
     combine_rows = combine_tile_rows(rows, num_splits, combine_d)
     combine = functools.partial(_combine_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d,

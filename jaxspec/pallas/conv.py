@@ -1,54 +1,29 @@
-"""Pallas (Triton lowering) kernels for the causal depthwise conv + SiLU of the GDN qkv channels.
+"""Packed conv verify (causal depthwise conv + SiLU over the GDN qkv channels) as a Pallas Triton kernel.
 
-Currently: the packed verify (`conv_verify`), contract = `jaxspec.ops.conv.conv_verify`.
+Contract: `jaxspec.ops.conv.conv_verify` (its jnp reference is the semantics; docs/design.md
+section 3). x [N, C] packed (request r owns rows query_start_loc[r] : query_start_loc[r+1],
+len_r <= T of them), conv_state [S1, W-1, C], conv_window [S1, T, C] (or [G, ...] layer stacks with
+a `layer` index), weight [C, W] -> (y [N, C] in x.dtype, conv_window'). With row_r = [state of
+slot_r; x_0 .. x_{len_r - 1}] (the deduplicated window: one row a request, not T windows of W):
+    y[start_r + t]          = silu(sum_w weight[:, w] * row_r[t + w])      (t < len_r)
+    conv_window'[slot_r, t] = x_t                                          (t < len_r, slot_r > 0)
+Padding rows (>= query_start_loc[B]) and slot-0 requests output 0. conv_window is aliased to the
+second output: donated, every other entry keeps its bits without a copy.
 
-Packed verify design
---------------------
-Grid (cdiv(B, rpp), cdiv(C, block_c)): one program per (rpp requests, channel block); rpp
-(requests_per_program) is 1 by default. For each request a program reads, once each, the W-1
-conv-state rows of its slot and the request's window rows x_0..x_{T-1} (the "deduplicated
-window" [state; x_0..x_{T-1}]: one row per request, not T windows of W), all as [block_c] vectors
-(8- or 16-byte accesses per thread, coalesced along channels), and computes the T outputs from
-registers with a sliding window of the last W-1 rows. The window loop is unrolled over T_max (a
-static shape) and every load of a request is issued before its first store, so that all T row
-loads are in flight together: this op is memory-bound (about 1.5 flop per byte), and a
-dynamic-trip-count loop would serialise one DRAM latency per token (a load placed after a store
-that depends on an earlier load cannot issue until that load returns). Rows t >= len_r are
-masked (never touched). Each program writes
-  y[start + t]                  = silu(sum_w weight[:, w] * row[t + w])      (t < len_r)
-  conv_window[slot, t]          = x_t                                        (t < len_r, slot > 0)
-conv_window is aliased input -> output (input_output_aliases) so every other entry keeps its
-bits without a copy (the caller should donate it; otherwise XLA inserts one copy of it).
-With rpp > 1 a program handles consecutive requests straight-line and software-pipelined: request
-k+1's rows are loaded while request k is computed and stored, and the scalar (start, length,
-slot) loads, on which every row address depends, are paid once per program, not per request.
+Design. Grid (cdiv(B, rpp), cdiv(C, block_c)): a program owns rpp consecutive requests (1 by
+default) and one channel block, and reads each row of its requests once as a [block_c] vector,
+coalesced along channels. The op is memory-bound (about 1.5 flop a byte), so the window loop is
+unrolled over the static T and every row load of a group of `row_group` rows is issued before the
+group's first store: with in-order issue, a load placed after a store that depends on an earlier
+load waits for that load, one DRAM latency per token. With rpp > 1, request k+1's loads go out
+while request k is computed, and the scalar (start, length, slot) loads are paid once a program.
+The padding rows' zeros are split evenly over the programs of each channel block: no zero-fill
+pass over y, no extra programs.
 
-Null slot: a request on slot 0 loads nothing (its loads are masked to 0), so its outputs are
-silu(0) = 0 exactly, and it stores no window row. A request of length 0 exits at once (rpp = 1) or
-masks every access (rpp > 1).
-
-Padding rows (query_start_loc[B] <= row < N) must be 0 and y is a fresh buffer. Zero-filling y in
-the wrapper would write all of y twice (one extra full pass, ~+30% bytes at T=8) and an extra
-grid row of "tail" programs would run mostly empty. Instead the padding rows are split evenly
-over the P = cdiv(B, rpp) programs of each channel block: program p stores zeros on rows
-[pad0 + p*k, pad0 + (p+1)*k) with k = cdiv(N - pad0, P). Only the padding bytes themselves move,
-no extra launch or program exists, and the stores are fire-and-forget (no load feeds them).
-
-Numerics: loads in the input dtype (bf16 or f32), products and sums in float32 in the reference's
-order (tap 0 first), SiLU in float32, one rounding to x.dtype at the store. The state is rounded
-to x.dtype first, as the reference does. The saved window row is the raw input (bit-exact).
-
-Performance (H200, C = 10240 bf16, T = 8, batch 128; bench/conv_kernel.py): 70.9 MB must move,
-16.7 us at the 4.25 TB/s of a device copy. Kernel alone (Nsight Compute, cold L2) 20.8 us; in a
-chain of calls about 27 us, because each call's ~42 MB of stores end the kernel as dirty L2 lines
-whose write-back overlaps the next call (ncu counts ~15 MB of DRAM writes inside the kernel).
-The XLA reference takes ~120 us. At batch <= 8 the kernel is latency-bound (~4-5 us: the
-scalar -> row dependent loads, then the stores).
-
-Triton-lowering notes: the lowering does not mask blocks that overhang an array, so every access
-here is an explicit masked load/store over a power-of-two slice (channel tail: cols < C;
-rows: t < len_r; weight taps: w < W). Refs are whole arrays (no BlockSpec); offsets are computed
-in the kernel.
+Numerics: float32 products in the reference's order (tap 0 first), SiLU in float32, one rounding to
+x.dtype; the state is rounded to x.dtype first, as the reference does; the saved row is bit-exact.
+The Triton lowering does not mask blocks that overhang an array, so every access is an explicit
+masked load/store (channel tail, rows t >= len_r, taps w < W). Timings: bench/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -60,37 +35,31 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.tiles import is_pow2, next_pow2
+from jaxspec.pallas.hardware import NUM_SMS, default_interpret
+from jaxspec.pallas.tiles import is_layer_index, is_pow2, layer_operand, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# The layer-stack path (`layer=`) passed tests/test_pallas_conv.py -m gpu -k layer on the H200
-# (2026-11-30): impl="auto" hands the kernel the stacks. Set False to fall back to per-layer slices.
-LAYER_STACKS_GPU_VALIDATED = True
 MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
 _MINUS_LOG2E = -1.4426950408889634
 MAX_WIDTH = 8       # largest conv width (taps); the models use 4
-_TARGET_PROGRAMS = 4 * 132   # about four programs per H200 SM before the channel block grows
+_TARGET_PROGRAMS = 4 * NUM_SMS   # about four programs per SM before the channel block grows
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvVerifyConfig:
     """Tile sizes of the packed conv verify kernel.
 
-    block_c: channels per program (power of two, 16..4096); None picks the largest of
-      512/256/128/64 that still gives >= 4 programs per H200 SM (528), else 64, clipped to the
-      channel count. Per-program cost is mostly fixed (the scalar -> row dependent load latency,
-      then the row latency), so enough small programs must be resident to cover DRAM latency.
-    num_warps: warps per program (1, 2, 4, 8 or 16); None gives one 8-byte access per thread per
-      row (block_c * itemsize / 256, clipped to 1..8): with 16-byte accesses the registers per
-      thread double (128 vs 76 at 1024 channels) and fewer programs stay resident.
-      Measured on an H200 (Nsight Compute, C = 10240 bf16, T = 8; bench/conv_kernel.py): batch
-      128: 512/4 warps 20.8 us (uniform) / 17.3 us (mixed), 1024/4 25.1 / 22.7, 2048/8 26.8 / 24.0;
-      batch 32: 512/4 7.5 / 7.3; batch 8: 128/1 5.0, 64/1 4.6; batch 1: 64/1 4.1 us.
-    requests_per_program: requests one program handles one after the other, software-pipelined
-      (the rows of request k+1 are loaded while request k is computed and stored), 1..16. 1 is
-      the plain one-request grid. Used only when the window fits one row group (T <= row_group);
-      otherwise 1. None: 1 (2 and 4 measured no faster than 1 at batch 128, T = 8: the two live
-      requests cost registers, 102-136 per thread, and so resident programs).
+    block_c: channels per program (power of two, 16..4096). None: the largest of 512/256/128 that
+      still gives about four programs per SM (_TARGET_PROGRAMS), else 64; clipped to the channel
+      count. A program's cost is mostly fixed latency (the scalar -> row dependent loads, then the
+      rows), so enough small programs must be resident to cover DRAM latency.
+    num_warps: warps per program (1, 2, 4, 8 or 16). None: one 8-byte access per thread per row
+      (block_c * itemsize / 256, clipped to 1..8); 16-byte accesses double the registers a thread
+      holds, so fewer programs stay resident.
+    requests_per_program: requests one program handles in turn, software-pipelined (the rows of
+      request k+1 are loaded while request k is computed and stored), 1..16. Used only when the
+      window fits one row group (T <= row_group); otherwise 1. None: 1 (more are no faster on the
+      H200: each live request costs registers, and so resident programs; sweep in docs/journal.md).
     pad_rows: padding rows zeroed per store (power of two, 1..64).
     row_group: window rows whose loads are issued together (1..64); the loads of group g+1 are
       issued before the stores of group g (two groups of rows live). T <= row_group: all rows of
@@ -140,8 +109,8 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
     `layer`, conv_state and conv_window are layer stacks and layer indexes both."""
     try:
         if layer is not None:
-            if not (isinstance(layer, int) and conv_state.ndim == 4 and conv_window.ndim == 4
-                    and conv_state.shape[0] == conv_window.shape[0] and 0 <= layer < conv_state.shape[0]):
+            if not (conv_state.ndim == 4 and conv_window.ndim == 4 and conv_state.shape[0] == conv_window.shape[0]
+                    and is_layer_index(layer, conv_state.shape[0])):
                 return False
             conv_state, conv_window = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (conv_state, conv_window))
         if x.ndim != 2 or conv_state.ndim != 3 or conv_window.ndim != 3 or weight.ndim != 2:
@@ -168,8 +137,8 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
         return False
 
 
-def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window_in_ref, *refs,
-                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp, layer):
+def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window_in_ref, *refs,
+                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp, stacked):
     y_ref, window_ref = refs[-2:]   # refs[:-2]: an optional y buffer aliased to y_ref (tests)
     del window_in_ref               # aliased to window_ref
     f32 = jnp.float32
@@ -180,7 +149,7 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
     cols = c0 + jnp.arange(block_c)
     cmask = cols < channels
     cs = pl.ds(c0, block_c)
-    at_layer = () if layer is None else (jnp.int32(layer),)   # the index prefix into layer stacks
+    at_layer = (layer_ref[0],) if stacked else ()   # the index prefix into layer stacks
 
     # --- this program's share of the padding rows (zeros), before any early exit.
     pad0 = jnp.minimum(qsl_ref[num_requests], n_rows)
@@ -233,8 +202,8 @@ def _conv_verify_kernel(qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window
             for i in range(1, width - 1):
                 acc = acc + hist[i] * taps[i]
             acc = acc + xf * taps[width - 1]
-            # silu(a) = a / (1 + 2^(-a log2 e)): ex2.approx + div.full, ~5 instructions an
-            # element instead of ~12 for the libdevice expf (the kernel must stay memory-bound).
+            # silu(a) = a / (1 + 2^(-a log2 e)): ex2.approx + div.full, fewer instructions an
+            # element than the libdevice expf (the kernel must stay memory-bound).
             y = acc / (1.0 + jnp.exp2(acc * _MINUS_LOG2E))
             plgpu.store(y_ref.at[start + t, cs], y.astype(y_ref.dtype), mask=cmask & valid)
             plgpu.store(window_ref.at[at_layer + (slot, jnp.int32(t), cs)], xt.astype(window_ref.dtype),
@@ -295,8 +264,9 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
     x [N, C], conv_state [S1, W-1, C], conv_window [S1, T, C] (aliased to the second output: donate
     it), weight [C, W], query_start_loc [B+1], slots [B] -> (y [N, C], conv_window').
     Each request's length must be <= T = conv_window.shape[1].
-    layer: None, or a static int: conv_state [G, S1, W-1, C] and conv_window [G, S1, T, C] are layer
-      stacks, read and written in place at that layer (the whole window stack is the aliased output).
+    layer: None, or an int / int32 scalar (traced is fine: one kernel serves every layer):
+      conv_state [G, S1, W-1, C] and conv_window [G, S1, T, C] are layer stacks, read and written in
+      place at that layer (the whole window stack is the aliased output).
     y_buffer: optional [N, C] array of x.dtype aliased to y; every element is overwritten (tests
     pass a NaN-filled one to prove it).
     """
@@ -306,22 +276,22 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
                          f"conv_window {conv_window.shape} {conv_window.dtype}, weight {weight.shape}, "
                          f"query_start_loc {query_start_loc.shape}, slots {slots.shape}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = default_interpret()
     config = config or ConvVerifyConfig()
     n, c = x.shape
     b = slots.shape[0]
     width = weight.shape[1]
     t_max = conv_window.shape[-2]
     block_c, num_warps, rpp = config.resolve(b, c, jnp.dtype(x.dtype).itemsize, t_max)
-    extra, aliases = (), {5: 1}
+    extra, aliases = (), {6: 1}
     if y_buffer is not None:
         if y_buffer.shape != (n, c) or y_buffer.dtype != x.dtype:
             raise ValueError(f"y_buffer: expected {(n, c)} {x.dtype}, got {y_buffer.shape} {y_buffer.dtype}")
-        extra, aliases = (y_buffer,), {5: 1, 6: 0}
+        extra, aliases = (y_buffer,), {6: 1, 7: 0}
 
     kernel = functools.partial(_conv_verify_kernel, num_requests=b, t_max=t_max, width=width,
                                block_c=block_c, pad_rows=config.pad_rows,
-                               row_group=config.row_group, rpp=rpp, layer=layer)
+                               row_group=config.row_group, rpp=rpp, stacked=layer is not None)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype),
@@ -331,5 +301,5 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="conv_verify",
-    )(query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), x, conv_state, weight,
+    )(layer_operand(layer), query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), x, conv_state, weight,
       conv_window, *extra)

@@ -1,44 +1,34 @@
-"""GDN fold: move the live ring records of every slot into its checkpoint, all GDN layers at once.
+"""GDN fold (Pallas, Triton): every slot's live ring records into its checkpoint, all GDN layers at once.
 
-Contract: `jaxspec.ops.gdn.gdn_fold` (its jnp reference `_fold_state`). Per layer, slot and value
-head, with m = num_records[slot] live records:
+Contract: `jaxspec.ops.gdn.gdn_fold` (its jnp reference `_fold_state` is the semantics;
+docs/design.md section 3). ckpt [G, S1, HV, K, V] or [S1, HV, K, V], float32 or bfloat16, updated
+in place (aliased); ring_k [.., S1, H, L, K]; ring_u [.., S1, HV, L, V] float32 or a (hi, lo)
+bfloat16 pair; ring_g [.., S1, HV, L] float32; num_records [S1] int32. Per (layer, slot, value
+head), with the m = num_records[slot] live records j = 1..m and G the inclusive cumsum of their gates:
 
-    h <- e^{G_m} h0 + sum_{j<m} e^{G_m - G_j} k_j u_j^T          (G inclusive cumsum of the gates)
+    h0 <- e^{G_m} h0 + sum_{j=1..m} e^{G_m - G_j} k_j u_j^T
 
-Design (memory-bound: at Qwen3.8-27B shapes a bf16 checkpoint tile is 32 KiB read + 32 KiB written
-against ~3-5 KiB of live records, and the [K x L] . [L x V] product is ~0.5 MFLOP):
-
-* grid (HV / heads * V / block_v, S1, G): axis 0 (the fastest-launched CUDA axis) walks the value
-  heads of one slot, so neighbouring programs stream neighbouring checkpoint tiles and share key
-  heads in L2 (value head hv reads key head hv // r). A program owns `heads` consecutive
-  [K, block_v] checkpoint tiles of one (layer, slot): per tile it reads the tile once, the slot's
-  live records (keys [m, K] of the tile's key head, updates [m, block_v], gates [L]) and writes
-  the tile once, in place (input_output_aliases: no second checkpoint buffer and no copy when the
-  caller donates it). With heads > 1, tile t+1's loads are issued before tile t's math and store
-  (a program keeps a read in flight while it computes); on the H200 this measured no better than
-  more, smaller programs (heads = 1), which is the default.
-* Tuning (H200, batch 128, one layer; GPU time vs the read+write floor at the copy bandwidth):
-  [K, 64] tiles with 4 warps: bf16 ckpt 141 us (floor 100.5, incl. records), fp32 234 us (194).
-  [K, 128] with 8 warps: 148 / 316 us; [K, 32]: 163 / 247 us; heads 2..8: 148-150 / 249-261 us.
-  The residue over the floor is latency: each program's checkpoint read waits on its num_records
-  load, and the tile's loads land in registers, which bound the bytes an SM keeps in flight.
-* m = 0 (the null slot 0, idle slots): the program returns before any load or store: the aliased
-  checkpoint is left as it was, bit for bit, and the slot costs no memory traffic.
-* Causality by selection: records j >= m are masked at the load (`other=0`), so a NaN or inf in a
-  dead record never enters an arithmetic op. Gates: G_m - G_j = sum_{j<i<m} g_i is formed directly
-  as a masked row sum (no cumsum, no subtraction of large partial sums).
-* The dot on the tensor cores at float32 accuracy: the decay coefficient goes onto the updates,
-  w_j = e^{G_m-G_j} u_j (float32), split into three bfloat16 terms w = w0 + w1 + w2 (a hi/lo pair
-  keeps only ~16 bits, 1.5e-5 relative: measured above the reference's level). Keys in bfloat16
-  are exact, so k^T w = sum_b k^T w_b: three bf16 MMAs with float32 accumulation. Float32 keys
-  are split too and the six products of order < 2^-24 are kept. Triton's f32 dot would be TF32
-  (~1e-3) and its "ieee" f32 dot runs on the FMA pipes (~48 us/layer of FMA at batch 128); the
-  MMAs cost ~16 us of tensor-core time per layer there, overlapped with the memory stream.
+Design (memory-bound: each checkpoint tile is read once and written once; the records are small
+next to it, and the [K x L] . [L x V] product is cheap):
+* Grid (HV / heads * V / block_v, S1, G). Axis 0, the fastest-launched CUDA axis, walks the
+  [K, block_v] tiles of one slot, so neighbouring programs share key heads in L2 (value head hv
+  reads key head hv // r). A program owns `heads` consecutive tiles of one (layer, slot); with
+  heads > 1, tile t+1's loads are issued before tile t's math and store. The time over the byte
+  floor is latency (the checkpoint read waits on the num_records load; loads land in registers,
+  which bounds the bytes an SM keeps in flight).
+* m = 0 (the null slot, idle slots): the program returns before any load or store; the aliased
+  checkpoint keeps its bits and the slot costs no memory traffic.
+* Causality by selection: records j > m are masked at the load (`other=0`), so a NaN or inf in a
+  dead record never enters arithmetic; G_m - G_j is formed directly as a masked sum of the later
+  gates (no cumsum, no difference of large partial sums).
+* float32 accuracy on the tensor cores: the decay goes onto the updates, w_j = e^{G_m - G_j} u_j,
+  split into three bfloat16 terms (a hi/lo pair keeps ~16 bits, short of the float32 reference).
+  bfloat16 keys are exact, so k^T w is three bf16 MMAs with float32 accumulation; float32 keys are
+  split too, and products below 2^-24 are dropped. Triton's f32 dot would be TF32, and its "ieee"
+  f32 dot runs on the FMA pipes, too slow to hide under the memory stream.
 * Records are consumed `chunk` at a time (a power of two dividing L); the loop runs ceil(m / chunk)
-  times, so a long ring with few live records reads only the live chunks. With L == chunk (the
-  usual ring of 16) there is no loop at all.
-
-Off the GPU the wrapper runs in interpret mode (tests hold it to the jnp reference there).
+  times, and with L == chunk (the usual ring of 16) there is no loop.
+Timings against the byte floor: bench/RESULTS.md.
 """
 import dataclasses
 import functools
@@ -48,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields, is_pow2
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -61,7 +52,7 @@ class FoldConfig:
       accumulator is 64 registers per thread, leaving room for ~3 programs per SM.
     heads: value heads (tiles) per program, walked in order with the next tile's loads issued
       before the current tile's math and store. Clipped to the largest power of two that divides
-      HV. 1 measured best on the H200 (module docstring).
+      HV. 1 is fastest on the H200 (tile sweep: docs/journal.md).
     chunk: records per MMA step; 16 is the bf16 MMA's reduction depth.
     num_warps / num_stages: Triton launch parameters (stages only matter for rings longer than chunk).
     """
@@ -79,8 +70,9 @@ class FoldConfig:
 
 def default_config(ckpt_dtype, ring_len: int) -> FoldConfig:
     """The tuned configuration (static: checkpoint dtype and ring length, never the batch, so a
-    request's state never depends on the batch it ran in). One config measured best for both
-    checkpoint dtypes at ring 16; longer rings loop over record chunks with the same tiles."""
+    request's state never depends on the batch it ran in). One config is fastest on the H200 for
+    both checkpoint dtypes at ring 16 (tile sweep: docs/journal.md); longer rings loop over record chunks with
+    the same tiles."""
     del ckpt_dtype, ring_len
     return FoldConfig()
 
@@ -215,7 +207,7 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, config: FoldConfig | 
     if not supports(ckpt, ring_k, ring_u, ring_g, num_records):
         raise ValueError("pallas gdn_fold: shapes/dtypes not supported (see fold.supports)")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = default_interpret()
     parts = _parts(ring_u)
     squeeze = ckpt.ndim == 4
     if squeeze:

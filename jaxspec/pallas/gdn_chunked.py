@@ -1,76 +1,33 @@
-"""Pallas (Triton lowering) kernels for the chunked GDN prefill (DESIGN section 3).
+"""Chunked GDN prefill as two Pallas Triton kernels (docs/design.md section 3).
 
 Contract: `jaxspec.ops.gdn.gdn_chunked` (its jnp reference, `impl="ref"`, is the semantics):
 q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], h0 [B, HV, K, V], lengths [B] or None
 -> (o [B, T, HV, V] float32, h [B, HV, K, V] float32); value head hv reads key head hv // (HV / H);
-positions t >= lengths[b] leave the state unchanged and output exactly 0.
+positions t >= lengths[b] leave the state unchanged and output exactly 0. The chunk size C is a
+config field, not part of the semantics.
 
-Math. Per chunk of C tokens and value head, with G the inclusive cumulative log-decay (restarting
-each chunk), E_ij = e^{G_i - G_j} (i >= j), A = strict_lower(diag(beta)(K K^T * E)), T = (I + A)^-1:
-    U  = T diag(beta) (V - diag(e^G) K h)                      (the corrected updates)
-    O  = diag(e^G) Q h + P U,          P = incl_lower(Q K^T * E)
-    h' = e^{G_C} h + K^T diag(e^{G_C - G}) U
-Everything that does not involve h is folded into two per-chunk matrices, with T' = T diag(beta)
-and r = V - diag(e^G) K h (the only thing the sequential part forms from the state):
-    R = P T'                        [C, C]   so that   O  = diag(e^G) Q h + R r
-    W = T'^T diag(e^{G_C - G}) K     [C, K]   so that   h' = e^{G_C} h + W^T r
-The sequential part then needs no U and no separate w = T diag(beta e^G) K / u = T diag(beta) V
-(fla's WY form), and its critical path per chunk is two products: K h (-> r) and W^T r (-> h').
+Per chunk and value head, with G the inclusive cumulative log-decay (restarting each chunk),
+E_ij = e^{G_i - G_j}, A = strict_lower(diag(beta)(K K^T * E)), T' = (I + A)^-1 diag(beta) and
+P = incl_lower(Q K^T * E), everything that does not involve the state h is folded into two matrices:
+    R = P T'  [C, C],    W = T'^T diag(e^{G_C - G}) K  [C, K],    r = V - diag(e^G) K h
+    O = diag(e^G) Q h + R r,    h' = e^{G_C} h + W^T r
+so the sequential part needs two products a chunk on its critical path (K h, then W^T r).
 
-Two pallas_calls:
+1. `_prep_kernel` (`chunk_matrices`), parallel: grid (HV, ceil(T / C), B). The 16 x 16 diagonal
+   blocks of I + A are inverted by forward substitution, all blocks at once; Triton cannot index a
+   register tensor, so their rows make a round trip through a small global scratch [C, 16] (with
+   barriers). The blocks are merged on the tensor cores: I + A = (I + A_bd)(I + N) with N = X A_off
+   nilpotent (X the block inverses), so (I + A)^-1 = (I - N)(I + N^2)... X. Writes W and R as
+   (hi, lo) bfloat16 pairs and G; chunks at or past a request's length are skipped.
+2. `_state_kernel`, sequential over chunks: grid (V / block_v, HV, B), h [K, block_v] float32 in
+   registers. Axis 0 is the V block, so the programs reading one chunk's W, R, q, k run side by side
+   and share them in L2. Chunks past the length store o = 0: every element of o is written once.
 
-1. `_prep_kernel` (`chunk_matrices`), parallel over chunks: grid (HV, ceil(T / C), B), one program
-   per (value head, chunk, request), 4 warps = one warpgroup so its [C, C] products are wgmma.
-   Full-tile math: K K^T and Q K^T (bf16 MMAs), G (cumsum), the masked decays, A. T = (I + A)^-1
-   in two steps. (a) The C/16 diagonal 16 x 16 blocks by forward substitution, all blocks at once
-   as one [C/16, 16, 16] tensor (15 steps; step s forms row s of every block from rows < s). It
-   needs row s of A's blocks, and Triton cannot index a register tensor, so the diagonal blocks
-   go through a compact global scratch [C, 16] (4 KiB, L1/L2-resident, `debug_barrier` between
-   the writes and the reads; the block inverses come back through it as a block-diagonal tile X).
-   (b) The merge on tensor cores: I + A = (I + A_bd)(I + N) with N = X A_off nilpotent, so
-   T = (I - N)(I + N^2) X for C = 64 (4 [C, C] products), an exact regrouping of block forward
-   substitution. Then R = P T' and W = T'^T diag(e^{G_C - G}) K (in 64-column blocks of K).
-   Reads: the chunk's q, k rows of the key head [C, K] (masked past the length), g, beta.
-   Writes per (chunk, value head): W as a (hi, lo) bfloat16 pair [C, K] (2 C K 2 B = 32 KiB at
-   C = 64, K = 128), R as a (hi, lo) pair [C, C] (16 KiB), G [C] float32 and the 4 KiB scratch:
-   52 KiB, 164 MB for 1 x 4096 tokens at HV = 48 (chunks at or past the length: skipped).
-
-2. `_state_kernel`, sequential over chunks: grid (V / block_v, HV, B), one program per (value
-   block, value head, request), h [K, block_v] float32 in registers. Per chunk, ceil(len / C) of
-   them: reads q, k rows [C, K] (masked past the length), v [C, block_v], G, W and R of the chunk;
-   r = v - e^G (K h); o = e^G (Q h) + R r, stored with rows past the length zeroed by selection;
-   h <- e^{G_C} h + W^T r. The chunks after the length store o = 0 (every element of o is written
-   exactly once). Grid axis 0 is the V block, so the V / block_v programs reading the same chunk
-   data (W, R, q, k) run side by side and share it in L2. Writes o [T, block_v] and the final
-   state tile [K, block_v].
-
-Precision. Tensor cores multiply bf16; float32 accuracy comes from a hi/lo split x = hi + lo
-(residual ~2^-17 |x|), a.b ~ a_hi.b_hi + a_hi.b_lo + a_lo.b_hi (lo.lo dropped, ~2^-16 relative);
-a bf16 operand (q, k, v in bf16) is exact and needs no lo part. Every product that touches the
-state (K h, Q h: 2 MMAs with bf16 q/k; W^T r, R r: 3) and every float32 x float32 product of the
-prep kernel (merge, R, W) is split; W and R are stored pre-split, so the state kernel splits only
-h and r. Measured against a float64 recurrence (interpret mode, tests): 5e-6..8e-6 relative RMS
-on o and h (max 2e-5) where the float32 HIGHEST reference is at ~1e-7..1.6e-6.
-
-Lengths. Every load of a position >= lengths[b] is masked (q, k, v, g, beta read as 0: NaN past
-the length is never read), so such a token has beta = 0, g = 0, k = 0: no part in A, R, W, the
-state or e^{G_C}; its output rows are zeroed by selection. The last partial chunk (T not a
-multiple of C) is masked the same way: the Triton lowering does not mask a block overhanging an
-array, so every load/store past T carries an explicit mask, and the intermediates are allocated
-padded to ceil(T / C) C rows so that their blocks never overhang.
-
-Measured on the H200 (2026-11-30, jax 0.11.2, bench/prefill_chunk.py; bench/RESULTS.md), H 16,
-HV 48, K = V = 128, bf16 q/k/v: the default (chunk 32, prep_warps 1, block_v 64, 4 warps, 1 stage)
-takes 789 us for 1 x 4096 tokens and 1848 us for 4 x 4096, against flash-linear-attention's
-chunk kernel at 560 / 1358 us in the same call (1.41x / 1.36x) and XLA's chunked reference at
-5818 / 12752 us (7.4x / 6.9x slower), at 11-19 % of the copy bandwidth: compute-bound. Chunk
-64 with a 4-warp prep kernel (an earlier call): 884 / 2368 us, its prep kernel alone 352 / 1179
-us. Compiled offline (ptxas, sm_90a) at chunk 64: prep 255
-registers, ~5.2 k instructions per warp and program; state 255 registers, 112 KiB shared; about a
-quarter of the instructions are hi/lo conversions and the sums of split products (the Pallas dot
-has no accumulator input, so split products are added outside the MMA).
-
-Off the GPU the wrapper runs in interpret mode (tests hold it to the jnp reference there).
+Precision: bf16 tensor-core products with hi/lo splits (a.b ~ a_hi.b_hi + a_hi.b_lo + a_lo.b_hi);
+a bf16 operand is exact and needs no lo part; W and R are stored pre-split. Tests hold o and h to a
+float64 recurrence. Every load past lengths[b] or T is masked (NaN there is never read), so such a
+token has beta = g = 0, k = 0 and no part in A, R, W or the state; the intermediates are padded to
+ceil(T / C) * C rows so no block overhangs an array. Timings (vs fla and XLA): bench/RESULTS.md.
 """
 import dataclasses
 import functools
@@ -80,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields, is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -90,19 +48,19 @@ _IN_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Tile sizes and launch parameters; the defaults are the fastest of the H200 sweep
-    (bench/RESULTS.md). Only the chunk size changes the arithmetic (the WY grouping); the other
+    """Tile sizes and launch parameters; the defaults are the fastest on the H200
+    (sweep: docs/journal.md). Only the chunk size changes the arithmetic (the WY grouping); the other
     fields change the tiling and the launch.
 
-    chunk: tokens per chunk C (power of two in [16, 64]; 32 measured fastest on the H200). The
-      prep kernel inverts 16 x 16 diagonal blocks and merges C/16 of them; the state kernel's
-      shared memory grows as C (K + C): C = 128 does not fit an H200 SM (~470 KB).
+    chunk: tokens per chunk C (power of two in [16, 64]). The prep kernel inverts 16 x 16 diagonal
+      blocks and merges C/16 of them; the state kernel's shared memory grows as C (K + C): C = 128
+      does not fit an H200 SM.
     block_v: V columns per program of the state kernel (power of two >= 16, clipped to V). The
       state tile [K, block_v] float32 lives in registers; smaller tiles give more programs (B = 1:
-      HV * V / block_v of them for 132 SMs) but re-read the chunk's W, R, q, k per tile (from L2).
+      HV * V / block_v of them for NUM_SMS SMs) but re-read the chunk's W, R, q, k per tile (L2).
     num_warps / num_stages: the state kernel's Triton launch parameters; num_stages = 2 pipelines
-      the loads of chunk c + 1 under chunk c's math but doubles the staging buffers (block_v = 64:
-      221 KB of the 227 KB of shared memory with bf16 inputs, too much with float32 ones).
+      the loads of chunk c + 1 under chunk c's math but doubles the staging buffers (at block_v = 64
+      just within an H200 SM's shared memory with bf16 inputs, beyond it with float32 ones).
     prep_warps: warps of the prep kernel (4 = one warpgroup: its [C, C] products run as wgmma).
     """
     chunk: int = 32
@@ -237,7 +195,7 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
 
         # Diagonal blocks of T = (I + A)^{-1} by forward substitution, which reads rows of A's
         # diagonal blocks: they make a round trip through a compact scratch [C, 16] (row i holds
-        # A[i, 16 (i // 16) + j]; 4 KiB per chunk and head, L1/L2-resident), the only way to index
+        # A[i, 16 (i // 16) + j]; a few KiB per chunk and head, L1/L2-resident), the only way to index
         # a register tensor; the block inverses come back through it as a block-diagonal tile.
         # Barriers order the round trips between the program's threads.
         blk = jnp.arange(nb, dtype=jnp.int32)[:, None]
@@ -338,7 +296,7 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
 def _setup(q, v, lengths, config, interpret):
     b, t = q.shape[:2]
     cfg = config or ChunkConfig()
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    interpret = default_interpret() if interpret is None else interpret
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
     return cfg, interpret, jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, t)
 

@@ -1,7 +1,6 @@
-"""In-kernel pieces shared by the GDN verify kernels (`gdn_verify`, `gdn_verify_two_pass`): the
-float32-accurate tensor-core dot, selection-based finiteness, the unit-lower-triangular inverse,
-the row map of the dot stack, a request's window and the zero rows of the padding tokens. Plain
-jnp on register tiles: lowered by the Triton backend."""
+"""In-kernel pieces of the GDN verify kernels (`gdn_verify`): the float32-accurate tensor-core dot,
+selection-based finiteness, the unit-lower-triangular inverse, the window rows, a request's window
+and the zero rows of the padding tokens. Plain jnp on register tiles, lowered by Triton."""
 import functools
 
 import jax
@@ -46,20 +45,6 @@ def unit_lower_inverse(a_t, t, n_rows):
         contrib = jnp.sum(jnp.where(row < i, a_i[:, None] * inv, 0.0), axis=0)    # sum_{j<i} A_ij inv[j, :]
         inv = jnp.where(row == i, jnp.where(col == i, 1.0, -contrib[None, :]), inv)
     return inv
-
-
-def dot_stack_rows(tt, half, start, n, m):
-    """Row map of the dot stack X = [k_0..k_T, 0.. ; q_0..q_T, 0.. | k_hist_0..k_hist_m, 0..]
-    (2 half rows; window keys at rows [0, tt), queries at [tt, 2 tt), history keys from row half):
-    (is_k, is_q, tok_ok, x_rows, rec_ok, rec_j) with x_rows / rec_j clamped to 0 where unused."""
-    r = jnp.arange(2 * half, dtype=jnp.int32)
-    is_k, is_q = r < tt, (r >= tt) & (r < 2 * tt)
-    tok = jnp.where(is_k, r, r - tt)
-    tok_ok = (is_k | is_q) & (tok < n)
-    x_rows = start + jnp.where(tok_ok, tok, 0)
-    rec_j = r - half
-    rec_ok = (r >= half) & (rec_j < m)
-    return is_k, is_q, tok_ok, x_rows, rec_ok, jnp.where(rec_ok, rec_j, 0)
 
 
 def load_window_rows(k_ref, q_ref, start, n, kh, ts, cols):

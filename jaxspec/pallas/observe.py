@@ -1,22 +1,20 @@
-"""Pallas (Triton lowering) kernel for the estimator's `observe`: statistics and refit in one launch.
+"""The estimator's `observe` (statistics and refit) as one Pallas Triton launch.
 
-Contract: `jaxspec.spec.estimator.observe` (its jnp form, impl="ref", is the semantics; module
-docstring there for the labels, the Newton statistics and the damped arrowhead step).
+Contract: `jaxspec.spec.estimator.observe` (its jnp form, impl="ref", is the semantics: the labels,
+the Newton statistics and the damped arrowhead step; docs/design.md section 6).
 
-Why a kernel: the work is tiny (B x P features, P <= 16 positions), so its cost on the GPU is the
-number of launches. XLA compiles the jnp form into eight kernels on the H200 (2026-12-01: the
-stacked statistics, their reduction, then six small loop fusions for the refit's divides and
-selects, which XLA does not duplicate into one fusion), about 1-1.5 us each inside a decode step.
-Here one program does all of it: it walks the batch in `block_b`-row tiles (masked rows and
-positions add nothing), keeps the six sums in registers, adds them to the state, takes the refit
-(computed every call, kept when `calls % refit_interval == 0`, as in the jnp form: no branch) and
-writes the nine state fields.
+Why a kernel: the work is tiny (B x P features), so its cost on the GPU is the number of launches,
+and XLA compiles the jnp form into several small kernels (the statistics, their reduction, then
+small fusions for the refit's divides and selects). Here one program walks the batch in
+`block_b`-row tiles (masked rows and positions add nothing), keeps the six sums in registers, adds
+them to the state, computes the refit every call and keeps it when `calls % refit_interval == 0`
+(no branch, as the jnp form) and writes the nine state fields.
 
-Layout: x [B, P] float32 (any values: non-finite features observe nothing), verified / accepted
-[B] int32; state scalars are 0-d, per-position fields [P]. The padded tile is [block_b, P_pad]
-(powers of two); the position sums are taken as one reduction over P_pad (the jnp form chains
-them left to right), so the two agree to float32 rounding, not bit for bit. A given kernel is
-deterministic: one program, a fixed order.
+Layout: x [B, P] float32 (non-finite features observe nothing), verified / accepted [B] int32;
+state scalars are 0-d, per-position fields [P]. The padded tile is [block_b, P_pad] (powers of
+two); the position sums are one reduction over P_pad where the jnp form chains them left to right,
+so the two agree to float32 rounding, not bit for bit. A given kernel is deterministic: one
+program, a fixed order.
 """
 import dataclasses
 import functools
@@ -26,16 +24,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields
 
 FEATURE_CLAMP = 40.0          # as jaxspec.spec.estimator.FEATURE_CLAMP
 MAX_SLOPE_HALVINGS = 8        # as jaxspec.spec.estimator.MAX_SLOPE_HALVINGS
 FIELDS = ("slope", "intercepts", "h_xx", "h_x", "h_1", "g_x", "g_1", "n", "calls")
 
-# impl="auto" takes the kernel on a GPU: it passed its GPU tests and measured faster than the jnp
-# form's eight kernels there (bench/RESULTS.md, 2026-12-01 second session: predict + observe
-# 5.8-7.5 us against 14.5-17.5 us per step at batch 1 / 128, 12.3-12.8 against 16.8-18.2 at 512).
-AUTO_ON_GPU = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +156,7 @@ def observe(state, x, verified, accepted, *, config: ObserveConfig | None = None
 
     poison_outputs: the kernel writes into NaN / INT_MIN filled buffers (tests)."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = default_interpret()
     cfg = config or ObserveConfig()
     batch, positions = x.shape
     block_b = min(cfg.block_b, pl.next_power_of_2(batch))

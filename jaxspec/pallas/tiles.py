@@ -33,3 +33,19 @@ def split_bf16(x):
     that gives float32-accurate products on the bf16 tensor cores."""
     hi = x.astype(jnp.bfloat16)
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def is_layer_index(layer, num_layers) -> bool:
+    """Whether `layer` can index a stack of `num_layers` layers: a Python int in range, or an integer
+    scalar array (traced under jit or scan: its range is the caller's contract)."""
+    if isinstance(layer, bool):
+        return False
+    if isinstance(layer, int):
+        return 0 <= layer < num_layers
+    return getattr(layer, "shape", None) == () and jnp.issubdtype(getattr(layer, "dtype", None), jnp.integer)
+
+
+def layer_operand(layer):
+    """The kernels' first operand: the layer index as an int32 [1] array (0 without a stack). It is
+    data, not a constant, so one compiled kernel serves every layer of a stack."""
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))

@@ -1,4 +1,4 @@
-"""Calibration of the acceptance estimator on recorded traces (DESIGN.md section 6).
+"""Calibration of the acceptance estimator on recorded traces (docs/design.md section 6).
 
 A trace is one row per (request, decode step): the draft features x [S, P] the estimator saw,
 how many drafts were verified and how many accepted, and optionally the request's

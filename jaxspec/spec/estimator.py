@@ -1,4 +1,4 @@
-"""Online acceptance estimator (DESIGN.md section 6).
+"""Online acceptance estimator (docs/design.md section 6).
 
 A logistic model of "draft k is accepted given drafts < k were", calibrated while serving:
 
@@ -11,10 +11,11 @@ Everything is a pure function over a device-resident `EstimatorState` pytree, so
 inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
 evaluated at the current coefficients, and every ``refit_interval`` calls it takes one damped
 Newton step, selected on the device call counter. The selection is branch-free (the step is
-computed every call and kept only when due, `jnp.where`): on the H200 an XLA conditional copies
-its predicate to the host and waits, and the ``lax.cond`` form cost 13-15 µs more per step than
-computing the refit every time (bench/RESULTS.md). Nothing here reads a value back to the host. Under sharding (a batch-sharded ``x``) the statistics are sums over the batch, so
-every device ends with the same replicated state.
+computed every call and kept only when due, `jnp.where`): an XLA GPU conditional copies its
+predicate to the host and waits, which costs more per step than computing the refit every time
+(docs/design.md section 1). Nothing here reads a value back to the host. Under sharding (a
+batch-sharded ``x``) the statistics are sums over the batch, so every device ends with the same
+replicated state.
 
 The Newton system of the negative log-likelihood, with ridge ``r`` added to the diagonal, is an
 arrowhead: a dense slope row/column and a diagonal intercept block,
@@ -40,7 +41,6 @@ from flax import struct
 
 from jaxspec.ops import sampling
 from jaxspec.ops.dispatch import use_kernel
-from jaxspec.pallas import features as pallas_features
 from jaxspec.pallas import observe as pallas_observe
 
 FEATURE_CLAMP = 40.0     # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
@@ -118,7 +118,7 @@ def init(num_positions: int, *, slope: float = 0.5, intercept: float | Sequence[
 # --------------------------------------------------------------------------------- feature
 
 
-def features(draft_logits: jax.Array, temperature, *, impl: str = "auto") -> jax.Array:
+def features(draft_logits: jax.Array, temperature) -> jax.Array:
     """x = logit(q_max) of the temperature-scaled draft distribution: [..., P, V] -> [..., P].
 
     ``temperature`` broadcasts against ``draft_logits.shape[:-2]`` (one value per row, or a
@@ -130,15 +130,8 @@ def features(draft_logits: jax.Array, temperature, *, impl: str = "auto") -> jax
     where the sum over the non-maximal entries is taken directly (tied maxima each add 1), so
     there is no cancellation in 1 - q_max even when q_max rounds to 1. Non-finite logits give a
     non-finite feature (which `observe` ignores and `predict` treats as least confident).
-
-    impl: "auto" (jnp: on the H200 the one-pass kernel measured slower than these two passes),
-    "ref" (jnp: a max pass and an exp-sum pass) or "pallas" (`jaxspec.pallas.features`).
     """
-    if use_kernel("features", impl, lambda: pallas_features.supports(draft_logits, temperature)) and (
-            impl == "pallas" or pallas_features.AUTO_ON_GPU):
-        x = pallas_features.feature_logits(draft_logits, temperature)
-    else:
-        x = _feature_logits(draft_logits, temperature)
+    x = _feature_logits(draft_logits, temperature)
     return jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP)
 
 
@@ -163,7 +156,7 @@ def _logit_q_max(ties, rest):
 def distribution_features(q: sampling.DraftDistribution) -> jax.Array:
     """`features` of a step's `sampling.DraftDistribution` (the engine's draft side): the same
     statistics, so the feature costs no pass over the logits of its own. -> [..., P] float32,
-    clamped to +-40 (the jnp form: `features(impl="pallas")` reads the logits again)."""
+    clamped to +-40."""
     return jnp.clip(_logit_q_max(q.ties, q.rest), -FEATURE_CLAMP, FEATURE_CLAMP)
 
 
@@ -206,9 +199,8 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
     (accepted < verified); later positions are not observed. Positions whose feature is not
     finite contribute nothing (selected away). Rows with verified = 0 (padding) observe nothing.
 
-    impl: "auto" (on a GPU the kernel while `jaxspec.pallas.observe.AUTO_ON_GPU`, else jnp), "ref"
-    (jnp: eight small kernels on the GPU) or "pallas" (`jaxspec.pallas.observe`: statistics and
-    refit in one launch).
+    impl: "auto" (the kernel on a GPU, else jnp), "ref" (jnp: several small XLA kernels on the
+    GPU) or "pallas" (`jaxspec.pallas.observe`: statistics and refit in one launch).
     """
     x = jnp.asarray(x, jnp.float32)
     if x.ndim != 2:
@@ -219,8 +211,7 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
     if verified.shape != (B,) or accepted.shape != (B,):
         raise ValueError(f"estimator observe: verified {verified.shape} and accepted "
                          f"{accepted.shape} must both be [{B}] (one per row of x)")
-    if use_kernel("observe", impl, lambda: pallas_observe.supports(state, x, verified, accepted)) and (
-            impl == "pallas" or pallas_observe.AUTO_ON_GPU):
+    if use_kernel("observe", impl, lambda: pallas_observe.supports(state, x, verified, accepted)):
         return pallas_observe.observe(state, x, verified, accepted)
     k = jnp.arange(P, dtype=jnp.int32)[None, :]
     ver = verified.astype(jnp.int32)[:, None]

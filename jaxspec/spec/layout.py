@@ -1,4 +1,4 @@
-"""Tiers and layouts of a confidence-scheduled verify step (DESIGN.md section 7, step 3).
+"""Tiers and layouts of a confidence-scheduled verify step (docs/design.md section 7).
 
 A step of `batch` requests verifies, per request r, a window [anchor_r, drafts_r[:l_r]] of
 1 + l_r tokens. The jitted verify is compiled for a few total token counts (tiers); a step

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verification: how many drafts to verify, and which (DESIGN.md section 7).
+"""Confidence-scheduled verification: how many drafts to verify, and which (docs/design.md section 7).
 
 Two halves, split by where they run:
 
