@@ -23,7 +23,8 @@ demo: venv
 	$(VENV)/bin/jaxspec generate --block-size 8 --warmup --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
 		--prompt "$$(head -c 300 $$($(PY) -c "import json, os; print(os.path.join(os.path.dirname(json.__file__), 'decoder.py'))"))"
 
-bench: venv
+# `make bench` needs jax with CUDA; `make bench PY=python3` runs that Python as it is, without the venv.
+bench: $(if $(filter command line,$(origin PY)),,venv)
 	$(PY) bench/kernels.py
 
 clean:

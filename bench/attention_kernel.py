@@ -1,58 +1,44 @@
-"""Benchmark of the verify attention kernel (jaxspec/pallas/attention_verify.py) against XLA.
+"""Verify attention: the Pallas kernel (jaxspec/pallas/attention_verify.py) against XLA and its byte floor.
 
-Shapes: batch 1, 8, 64, 128 x context 1k, 4k, 32k; T = 8 queries per request (every request full,
-no padding), 24 q heads / 4 kv heads, D = 256, bf16 (Qwen3.5/3.6 gated attention at TP1). Every
-request's slot holds `context` committed tokens, so its window reads n = context + 8 keys; the
-cache is only as long as needed, M = context + 16 rounded up to 64 (the Mosaic split kernel's
-blocked cache view).
+Shapes: batch 1, 8, 64, 128 x context 1k, 4k, 32k (--shapes, the most informative first); T = 8
+queries a request (every request full), 24 q heads / 4 kv heads, D = 256, bf16. A request's slot
+holds `context` tokens, so its window reads n = context + 8 keys; the cache holds M = context + 16
+rounded up to 64 rows.
 
-Per shape:
-* kernel: `attention_verify` (the default config; split + merge where it splits);
-* ref: the jnp reference (`impl="ref"`) under jit, i.e. what XLA makes of the contract (skipped
-  where its float32 repeat of K/V would not fit, > --ref-mem-gb);
-* dpa xla / dpa cudnn: `jax.nn.dot_product_attention` on the padded equivalent, q [B, 8, 24, 256]
-  against the per-request caches [B, M, 4, 256] with key_value_seq_lengths = n (no in-window causal
-  mask: the same bytes and flops, a slightly easier problem); "–" where the implementation refuses.
-* floor = bytes of K and V that must be read (B * n * 4 heads * 256 * 2 bytes * 2) / copy bandwidth
-  measured in the same run (the best of a jitted elementwise pass over 1 GiB, read + write counted,
-  and, when `--torch-copy` ran first in its own process, a torch device-to-device copy).
+Per shape: the kernel (default config); `launch`, a Pallas kernel that reads q and writes o (the
+least a kernel costs at the shape); the jnp reference (`impl="ref"`) under jit, where its float32
+K / V repeat fits (--ref-mem-gb); `jax.nn.dot_product_attention` (xla, cudnn) on the padded
+equivalent, q [B, 8, 24, 256] against [B, M, 4, 256] with key_value_seq_lengths = n (no in-window
+causal mask: same bytes and flops). Each kernel result is checked against the reference.
+floor = K + V bytes read (B * n * 4 * 256 * 2 * 2) / the fastest copy of the run
+(`benchutil.floor_copies`).
 
-Timing: jitted functions, CUDA-synchronised (jax.block_until_ready), median over reps of the wall
-time per call. R distinct cache sets (copies) are cycled inside one jitted function (R calls per
-dispatch, no CSE possible; R >= --min-calls and R sets >= --min-set-mb, within --max-sets and
---max-sets-gb), so that the working set exceeds the 60 MB L2 and the GPU work of one dispatch
-outlasts the host's dispatch of the next (as in the engine's step, which calls every attention
-layer in one jitted function); `inner` dispatches go back to back and are synchronised once.
-`launch`: a Pallas kernel that reads q and writes o, timed the same way, the least one kernel
-costs at the shape (two launches, split + merge, cost about twice that). Each kernel
-result is checked against the reference (or dpa where the reference is skipped) in the same run.
+Timing: R distinct cache sets cycled inside one jitted function (R >= --min-calls and >= --min-set-mb
+in all, within --max-sets and --max-sets-gb: L2 holds none, and a dispatch outlasts the host's next
+one); `inner` dispatches back to back, synchronised once; median over reps of the wall time a call.
+GPU busy / span: the kernels' summed durations / first start to last end, a call's share, from a
+profiler trace (`benchutil.gpu_kernel_times`).
+--sweep: configs at a few shapes; --sweep-configs block_k:num_stages:num_warps[:min_split
+[:target_programs[:combine_block_d[:combine_warps]]]][:name=value...] or `default`, comma-separated,
+and --sweep-shapes all | B:ctx,... replace them; --sweep-trace adds GPU times to the sweep rows.
+--layer-stack: also L chained calls (L = R) on one layer each of [L, S1, M, KVH, D] stacks in one
+jit, each o the next q (the engine's way), µs a layer.
 
-`--sweep`: configs (block_k, num_stages, num_warps, target_programs) at a few shapes;
-`--sweep-configs 32:3:4,16:4:4:64,mosaic:2` (block_k:num_stages:num_warps[:min_split[:target_programs[:combine_block_d
-[:combine_warps]]]], then any name=value fields such as partial_dtype=bfloat16; or mosaic[:num_stages[:min_split]] for
-the Mosaic split kernel, or default) and `--sweep-shapes all` (or B:ctx,...) replace its configs and shapes; `--sweep-trace`
-adds the GPU times to each sweep row.
-
-`--layer-stack`: per shape, also L calls (L = the number of cycled copies) in one jitted function
-on one layer each of [L, S1, M, KVH, D] stacks, each call's o the next call's q: the engine's way
-of calling the kernel (one argument set for all layers), reported as µs a layer (wall and GPU busy).
-
-Usage (GPU machine):
-  python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process first)
-  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/attention_kernel.py --out $OUT [--sweep] [--layer-stack]
+Usage (GPU):
+  python3 bench/attention_kernel.py --torch-copy --out $OUT        (own process, first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/attention_kernel.py --out $OUT \\
+      [--sweep] [--layer-stack]
   python3 bench/attention_kernel.py --smoke                         (CPU, interpret mode, tiny shapes)
 Writes DIR/attention_bench.json and DIR/attention_bench.md (DIR = --out, default $OUT or bench/out).
 """
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # the most informative shapes first (a budget cut keeps them)
 DEFAULT_ORDER = [(64, 4096), (1, 32768), (8, 4096), (128, 4096), (8, 32768), (1, 4096), (64, 32768),
                  (128, 32768), (1, 1024), (8, 1024), (64, 1024), (128, 1024)]
@@ -67,12 +53,10 @@ def sweep_config(text):
     """'32:3:4:64' -> the AttentionVerifyConfig fields block_k, num_stages, num_warps, min_split,
     target_programs, combine_block_d, combine_warps in that order, then any name=value fields
     ('32:2:4:64:264:partial_dtype=bfloat16'; values that read as integers are integers);
-    'mosaic[:stages[:min_split]]' -> the Mosaic split kernel; 'default' -> the default config."""
+    'default' -> the default config."""
     tokens = text.split(":")
     if tokens[0] == "default":
         return {}
-    if tokens[0] == "mosaic":
-        return dict(split_kernel="mosaic", **dict(zip(("num_stages", "min_split"), (int(v) for v in tokens[1:]))))
     named = [t for t in tokens if "=" in t]
     positional = [int(t) for t in tokens if "=" not in t]
     cfg = dict(zip(("block_k", "num_stages", "num_warps", "min_split", "target_programs", "combine_block_d",
@@ -85,7 +69,6 @@ def sweep_config(text):
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
     ap.add_argument("--shapes", default=None, help="B:ctx,B:ctx,... (default: the 12 shapes, informative first)")
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--hq", type=int, default=24)
@@ -109,9 +92,7 @@ def parse(argv=None):
     ap.add_argument("--layer-stack", action="store_true",
                     help="also time the kernel the engine's way: L layers of stacked caches, o -> next q, one jit")
     ap.add_argument("--sweep-trace", action="store_true", help="GPU trace (GPU µs) for every sweep config too")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--torch-copy", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
+    benchutil.add_common_args(ap)
     args = ap.parse_args(argv)
     if args.shapes:
         args.shape_list = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
@@ -133,6 +114,7 @@ def main(args):
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import pallas as pl
+
     from jaxspec.ops.attention import attention_verify as op_verify
     from jaxspec.pallas import attention_verify as pav
 
@@ -151,11 +133,7 @@ def main(args):
         us, out = benchutil.median_us(fn, *a, reps=reps or args.reps, inner=inner or args.inner)
         return us / per_call, out
 
-    # ---- copy bandwidth, same run
-    copies = benchutil.copy_bandwidths(args.out)
-    bw_src, bw = benchutil.floor_bandwidth(copies)
-    print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
-          + f"; floors use {bw_src}", flush=True)
+    copies, bw_src, bw = benchutil.floor_copies(args.out)
 
     results, sweep = [], []
 
@@ -174,8 +152,8 @@ def main(args):
         return sets, seq, qsl, slots
 
     def layer_stack_us(B, ctx, n_layers, rest, key):
-        """(wall µs, GPU busy µs or None off the GPU) a layer of `n_layers` calls in one jitted function, call i on layer
-        i of [L, S1, M, KVH, D] stacks with call i's o as call i+1's q: the engine's shape of use
+        """(wall µs, GPU busy µs or None off the GPU) a layer of `n_layers` calls in one jitted function,
+        call i on layer i of [L, S1, M, KVH, D] stacks with call i's o as call i+1's q: the engine's shape of use
         (the caches passed once, one q in, one o out), so the host pays one dispatch for L kernels'
         worth of work instead of a buffer's handling per call."""
         ks = jax.random.split(key, 3)
@@ -214,8 +192,8 @@ def main(args):
         kernels' summed durations), gpu["span_us"] (first kernel start to last kernel end), both a
         call's share, and gpu["kernels"] (median µs by name)."""
         g = jax.jit(lambda ss, rest: [f(*s, *rest) for s in ss])   # rest an argument: no constants to build
-        # inner dispatches back to back, one sync: with inner=1 every timing held one host
-        # dispatch + sync (~100-250 us on the H200 machine), 2x the kernels' own time at batch 1
+        # inner dispatches back to back, one sync: a sync per dispatch would add the host's round trip
+        # to every timing
         us, outs = timed(g, sets, rest, reps=reps, per_call=len(sets))
         if gpu is not None and on_gpu:
             trace = benchutil.gpu_kernel_times(g, sets, rest)
@@ -256,7 +234,8 @@ def main(args):
             lines.append(
                 f"| {r['B']} | {r['ctx']} | {r['splits']} | {r['sets']} | {fmt(r['kernel_us'])} "
                 f"| {fmt(r['floor_us'])} | {fmt(r['floor_ratio'], 2)} | {fmt(r['busy_us'])} "
-                f"| {fmt(r['busy_floor_ratio'], 2)} | {fmt(r['span_us'])} | {r['layers'] or '–'} | {fmt(r['layer_us'])} "
+                f"| {fmt(r['busy_floor_ratio'], 2)} | {fmt(r['span_us'])} | {r['layers'] or '–'} "
+                f"| {fmt(r['layer_us'])} "
                 f"| {fmt(r['layer_us'] and r['layer_us'] / r['floor_us'], 2)} | {fmt(r['layer_busy_us'])} "
                 f"| {fmt(r['launch_us'])} | {fmt(r['ref_us'])} "
                 f"| {fmt(r['dpa_xla_us'])} "
@@ -265,13 +244,14 @@ def main(args):
                 f"| {fmt(r['err'], 4) if r['err'] is not None else '–'} | {r['ok']} |")
         if sweep:
             lines += ["", "Config sweep (kernel µs; kernel/floor).", "",
-                      "| batch | context | config | splits | kernel µs | kernel/floor | GPU busy µs | busy/floor | GPU span µs "
-                      "| err | note |",
+                      "| batch | context | config | splits | kernel µs | kernel/floor | GPU busy µs | busy/floor "
+                      "| GPU span µs | err | note |",
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in sweep:
                 lines.append(f"| {r['B']} | {r['ctx']} | {r['config']} | {r.get('splits', '–')} "
                              f"| {fmt(r.get('kernel_us'))} | {fmt(r.get('floor_ratio'), 2)} "
-                             f"| {fmt(r.get('busy_us'))} | {fmt(r.get('busy_floor_ratio'), 2)} | {fmt(r.get('span_us'))} "
+                             f"| {fmt(r.get('busy_us'))} | {fmt(r.get('busy_floor_ratio'), 2)} "
+                             f"| {fmt(r.get('span_us'))} "
                              f"| {fmt(r.get('err'), 4) if r.get('err') is not None else '–'} | {r.get('note', '')} |")
         with open(os.path.join(args.out, "attention_bench.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -390,8 +370,8 @@ def main(args):
                     kus, out = run_multi(kernel_fn(c), sets, rest, gpu=gpu if args.sweep_trace else None)
                     rec.update(kernel_us=kus, floor_ratio=kus / floor_us, err=err(out, base))
                     if gpu:
-                        rec.update(busy_us=gpu["busy_us"], busy_floor_ratio=gpu["busy_us"] / floor_us, span_us=gpu["span_us"],
-                                   kernels=gpu["kernels"])
+                        rec.update(busy_us=gpu["busy_us"], busy_floor_ratio=gpu["busy_us"] / floor_us,
+                                   span_us=gpu["span_us"], kernels=gpu["kernels"])
                 except Exception as e:
                     rec["note"] = repr(e)[:200].replace("|", "/")
                 sweep.append(rec)
@@ -404,8 +384,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    a = parse()
-    if a.torch_copy:
-        benchutil.torch_copy_bandwidth(a.out)
-        sys.exit(0)
-    sys.exit(main(a))
+    benchutil.run_main(parse, main)

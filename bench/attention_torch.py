@@ -1,32 +1,25 @@
-"""PyTorch's scaled_dot_product_attention backends on the verify-attention benchmark's shapes: what
-the CUDA stack on the GPU machine does with the same K / V bytes (run it in the same device call as
-bench/attention_kernel.py, in its own process: torch and JAX each hold GPU memory).
+"""PyTorch's attention kernels on the verify-attention shapes: what the CUDA stack does with the
+same K / V bytes.
 
 Shapes as bench/attention_kernel.py: batch 1, 8, 64, 128 x context 1k, 4k, 32k; T = 8 queries a
-request, 24 q heads / 4 kv heads, D = 256, bf16; n = context + 8 keys a request. K and V stored as
-the kernel's caches are, [B, n, 4, 256] (keys, heads, dim), both views of one [2, B, n, 4, 256] buffer.
+request, 24 q heads / 4 kv heads, D = 256, bf16; n = context + 8 keys a request; K and V stored as
+the kernel's caches, [B, n, 4, 256], views of one [2, B, n, 4, 256] buffer.
 
 Backends:
-* flash_gqa: PyTorch's FlashAttention-2 called directly (`torch.ops.aten._flash_attention_forward`),
-  q [B, 8, 24, 256] against K / V [B, n, 4, 256]: native GQA (each kv head read once for its 6 q
-  heads) and FlashAttention-2's bottom-right causal mask, i.e. exactly the verify problem (query t
-  at position n - 8 + t sees keys 0..n - 8 + t); FA2 picks split-KV (flash decoding) by itself.
-* flash, cudnn, efficient: `scaled_dot_product_attention` with that backend alone (`sdpa_kernel`),
-  q [B, 24, 8, 256], K / V as [B, 4, n, 256] views, `enable_gqa=True`, no mask. PyTorch's dense
-  fused kernels want equal head counts and warn that they broadcast K / V to the 24 q heads, so
-  these read each kv head's K / V six times (mostly from L2); "refused" where a backend refuses.
-* read: `torch.sum` of the whole K + V buffer in float32, the least a PyTorch kernel takes just to
-  read the bytes (the floor's bytes, no attention).
-Every attention output is checked against the math backend in float32 with the same mask where
-that fits (relative max error printed).
+* flash_gqa: FlashAttention-2 called directly (`torch.ops.aten._flash_attention_forward`): native
+  GQA and the bottom-right causal mask, i.e. exactly the verify problem; it picks split-KV itself.
+* flash, cudnn, efficient: `scaled_dot_product_attention` with that backend alone, q [B, 24, 8, 256],
+  `enable_gqa=True`, no mask (these broadcast K / V to the 24 q heads); "refused" where one refuses.
+* read: `torch.sum` of the K + V buffer in float32: the least a kernel takes to read the bytes.
+Every attention output is checked against the math backend in float32 with the same mask where that
+fits (--check-max-keys).
 
-Timing: R distinct K / V sets cycled (`benchutil.cycled_sets`, as in attention_kernel.py: >= 8 sets
-and >= 512 MiB, <= 16 sets and <= 32 GiB), so L2 (60 MB) holds none of them; two untimed rounds, then a
-torch.profiler trace of `--calls` rounds; GPU busy = the kernels' summed durations a call (memcpy
-and memset left out, as benchutil.gpu_kernel_times does), GPU span = first kernel start to last
-kernel end a call. The kernel names tell which algorithm ran (e.g. flash's split-KV kernels).
+Method: R distinct K / V sets cycled (`benchutil.cycled_sets`: L2 holds none of them); two untimed
+rounds, then a torch.profiler trace of --calls rounds. GPU busy = the kernels' summed durations a
+call (memcpy and memset left out), GPU span = first kernel start to last kernel end a call; the
+kernel names tell which algorithm ran. Run it in its own process: torch and JAX each hold GPU memory.
 
-Usage (GPU machine): python3 bench/attention_torch.py --out $OUT [--shapes 1:4096,8:1024]
+Usage (GPU): python3 bench/attention_torch.py --out $OUT [--shapes 1:4096,8:1024]
 Writes DIR/attention_torch.json and prints a table.
 """
 import argparse
@@ -126,7 +119,7 @@ def main(argv=None):
                 print(f"B {B:3d} ctx {ctx:5d} {backend:9s}: GPU busy {row['busy_us']:9.1f} us, span "
                       f"{row['span_us']:9.1f} us, err {row.get('rel_err', float('nan')):.2e}, kernels "
                       + "; ".join(f"{k[:60]} {v:.1f}" for k, v in row["kernels"].items()), flush=True)
-        del sets
+        sets.clear()                     # frees the K / V sets before the next shape
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "attention_torch.json"), "w") as f:

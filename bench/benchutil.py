@@ -1,7 +1,7 @@
-"""Pieces every GPU benchmark script shares: the JAX process setup, one median timer, the JAX copy
-bandwidth, the torch copy bandwidth (measured in its own process, since JAX preallocates GPU
-memory) written to and read back from DIR/copy_bw_torch.json, the floor bandwidth of a run, and the
-GPU's own kernel times from a profiler trace."""
+"""Pieces the GPU benchmark scripts share: the JAX process setup, the `__main__` entry with its
+`--torch-copy` mode, one median timer, the copy bandwidths floors divide by (JAX's `x + 1` in the
+script's process; torch's device-to-device copy, measured in a process of its own beforehand and
+passed on through DIR/copy_bw_torch.json), and the GPU's own kernel times from a profiler trace."""
 import glob
 import json
 import math
@@ -16,11 +16,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_COPY_JSON = "copy_bw_torch.json"
 
 
+def run_main(parse, main) -> None:
+    """A script's `__main__`: args = parse(); with `args.torch_copy`, only `torch_copy_bandwidth(args.out)`
+    (run it in a process of its own before the script: JAX holds the GPU's memory once started) and
+    exit 0; else exit with main(args)'s status."""
+    args = parse()
+    if args.torch_copy:
+        torch_copy_bandwidth(args.out)
+        sys.exit(0)
+    sys.exit(main(args))
+
+
+def add_common_args(ap, budget: bool = True) -> None:
+    """The flags the scripts share: --out DIR (default $OUT, else bench/out), --budget-s (with
+    `budget`), --torch-copy (`run_main`'s own mode) and --smoke (CPU, interpret mode, tiny shapes)."""
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"))
+    if budget:
+        ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
+    ap.add_argument("--torch-copy", action="store_true", help="measure the torch copy bandwidth alone (in a process "
+                    "of its own, before the run), then exit")
+    ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes: checks the script")
+
+
 def setup_jax(smoke: bool) -> None:
-    """Before jax is imported: the CPU for a smoke run, no GPU memory preallocation (a torch or
-    second JAX process may share the GPU), and the repository root importable."""
+    """Before JAX's first computation: the CPU for a smoke run (unless JAX_PLATFORMS says otherwise),
+    no GPU memory preallocation (a torch or second JAX process may share the GPU), and the
+    repository root importable."""
     if smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "jax" in sys.modules:                # imported already: it read JAX_PLATFORMS then
+            sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path.insert(0, ROOT)
 
@@ -48,8 +73,7 @@ def jax_copy_bandwidth(reps=10, inner=10) -> tuple[float, float]:
     """(bytes/s, µs) of a jitted `x + 1` over 1 GiB of float32 (read + write counted; 1 MiB off
     the GPU): `inner` chained calls with the input donated (no fresh 1 GiB output per call, and
     the dispatch overlaps the previous call), synchronised once, median over `reps`. XLA's
-    elementwise pass stays below torch's copy (4.25 TB/s): floors against it are optimistic for
-    the kernel."""
+    elementwise pass is slower than torch's copy: floors against it are optimistic for the kernel."""
     import jax
     import jax.numpy as jnp
 
@@ -106,6 +130,15 @@ def copy_bandwidths(out_dir) -> dict[str, float]:
 def floor_bandwidth(copies: dict[str, float]) -> tuple[str, float]:
     """(name, bytes/s) of the fastest copy: the floors divide by it (the strictest floor)."""
     return max(copies.items(), key=lambda kv: kv[1])
+
+
+def floor_copies(out_dir) -> tuple[dict[str, float], str, float]:
+    """(copies, name, bytes/s): `copy_bandwidths(out_dir)` and its `floor_bandwidth`, printed."""
+    copies = copy_bandwidths(out_dir)
+    name, bw = floor_bandwidth(copies)
+    print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
+          + f"; floors use {name}", flush=True)
+    return copies, name, bw
 
 
 def cycled_sets(nbytes, min_calls=8, min_set_mb=512.0, max_sets=16, max_sets_gb=32.0) -> int:

@@ -1,35 +1,32 @@
-"""Benchmark of the packed conv verify kernel (jaxspec/pallas/conv.py) against the XLA reference.
+"""Conv verify: the packed Pallas kernel (jaxspec/pallas/conv.py) against the XLA reference and its byte floor.
 
-Shape: Qwen3.8-27B at TP1, conv channels C = 10240, bf16, width 4, T = 8; batches 1, 8, 32, 128;
-two layouts: `uniform` (every request verifies T tokens, no padding) and `mixed` (lengths drawn
-from 1..T, packed, N rounded up to a multiple of 64 with padding rows, as a tier would).
+Shapes: conv channels C = 10240 (Qwen3.8-27B at TP1), bf16, width 4, T = 8 (--T); batches 128, 32,
+8, 1; layouts `uniform` (every request verifies T tokens) and `mixed` (lengths drawn from 1..T,
+packed, N rounded up to a multiple of 64 with padding rows).
 
-Bytes that must move: read x (window rows) and the W-1 state rows of each request, the weights;
-write y (every row, padding too) and the saved window rows. Floor = bytes / copy bandwidth, the
-latter measured in the same run: the best of jitted elementwise passes over 1 GiB and, when
-`--torch-copy` ran first, a torch device-to-device copy (read + write counted).
+floor = bytes that must move (x's window rows, each request's W-1 state rows and the weights read; y
+written for every row, padding too; the window rows saved) / the fastest copy of the run
+(`benchutil.floor_copies`).
 
-Two timings:
-* kernel time (`--ncu-sweep` under Nsight Compute, parsed by `--ncu-parse`): the GPU duration of
-  each kernel launch, caches flushed before each (cold L2, as in a model step), for a sweep of tile
-  configs; this also picks the configs the chained timing runs.
-* in-model time (default mode): K calls chained inside ONE jitted function (each call's
-  conv_window, donated, feeds the next; R input sets in rotation so that the working set exceeds
-  the 60 MB L2 where the batch allows), timed with block_until_ready (median of reps, after a
-  warm-up that brings the clocks up) minus the dispatch+sync overhead of a jitted function with
-  one tiny kernel, divided by K. It includes the launch gaps between kernels, so at small batch it
-  measures launch overhead, not the kernel. The XLA reference (jit of conv_verify impl="ref") is
-  timed the same way.
+Timings:
+* in-model (default): K calls chained in one jitted function (each call's conv_window, donated,
+  feeds the next; R input sets in rotation so that the working set exceeds L2 where the batch
+  allows); median wall time of reps minus the dispatch + sync cost of a jitted one-kernel function,
+  / K, so launch gaps are included. The XLA reference (conv_verify impl="ref") is timed the same
+  way, and every config's result is checked against it.
+* kernel alone (`--ncu-sweep` under Nsight Compute, then `--ncu-parse CSV`): the GPU duration of
+  each launch of the NCU_SWEEP tile configs, caches flushed (cold L2); the fastest per case
+  (ncu_best.json) is timed in-model beside the default config.
+* `--fla`: flash-linear-attention's causal_conv1d on the same shapes (torch only: its own process).
 
-Usage (GPU machine):
+Usage (GPU):
+  python3 bench/conv_kernel.py --torch-copy --out $OUT        (own process, first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/conv_kernel.py --out $OUT [--batches 128,32]
   ncu ... python3 bench/conv_kernel.py --ncu-sweep   then   python3 bench/conv_kernel.py --ncu-parse FILE
-  python3 bench/conv_kernel.py [--batches 128,32,8,1]    (reads DIR/ncu_best.json when present)
-  python3 bench/conv_kernel.py --torch-copy              (torch copy bandwidth, own process, first)
-  python3 bench/conv_kernel.py --fla                     (flash-linear-attention's causal_conv1d;
-                                                          torch only: run it in its own process)
-  python3 bench/conv_kernel.py --smoke                   (CPU, interpret mode, tiny: checks the script)
-Writes into DIR ($OUT, else bench/out): conv_bench.json / conv_bench.md (chained timings),
-ncu_plan.json, ncu_sweep.json, ncu_best.json, and the sweep table appended to conv_bench.md.
+  python3 bench/conv_kernel.py --fla --out $OUT
+  python3 bench/conv_kernel.py --smoke                         (CPU, interpret mode, tiny: checks the script)
+Writes into DIR (--out, default $OUT or bench/out): conv_bench.json / .md, copy_bw.json, ncu_plan.json,
+ncu_sweep.json, ncu_best.json (its table appended to conv_bench.md), conv_fla.json.
 """
 import argparse
 import csv
@@ -42,23 +39,19 @@ import time
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
 W = 4
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="128,32,8,1")
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--C", type=int, default=10240)
     ap.add_argument("--K", type=int, default=32, help="calls chained per timed jit")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after this")
-    ap.add_argument("--fla", action="store_true")
-    ap.add_argument("--torch-copy", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--ncu-sweep", action="store_true")
-    ap.add_argument("--ncu-parse", default=None)
+    ap.add_argument("--fla", action="store_true", help="flash-linear-attention's causal_conv1d (torch), then exit")
+    ap.add_argument("--ncu-sweep", action="store_true", help="launch the NCU_SWEEP configs (run under ncu)")
+    ap.add_argument("--ncu-parse", default=None, metavar="CSV", help="join ncu's CSV with the sweep's plan")
+    benchutil.add_common_args(ap)
     return ap.parse_args()
 
 
@@ -98,6 +91,7 @@ def main_ncu_sweep(args):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from jaxspec.pallas import conv as pconv
     os.makedirs(args.out, exist_ok=True)
     T, C, dt = args.T, args.C, jnp.bfloat16
@@ -207,6 +201,7 @@ def main_jax(args):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from jaxspec.ops.conv import conv_verify as op_conv_verify
     from jaxspec.pallas import conv as pconv
 
@@ -235,26 +230,9 @@ def main_jax(args):
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts) * 1e6
 
-    # ---- copy bandwidth: the best of jitted elementwise passes (bf16 / f32, in place / out of
-    # place; XLA's measured only ~2.4 TB/s on an H200 where a torch copy moved 4.25 TB/s) and of
-    # a torch copy measured by `--torch-copy` in its own process beforehand (copy_bw_torch.json).
-    n_bytes = (1 << 30) if not args.smoke else (1 << 17)
-    copies = {}
-    for cdt in (jnp.bfloat16, jnp.float32):
-        for donate in (True, False):
-            big = jnp.ones((n_bytes // jnp.dtype(cdt).itemsize,), cdt)
-            fn = jax.jit(lambda a: a + jnp.asarray(1, a.dtype), donate_argnums=0 if donate else ())
-            us = timed(fn, big)
-            copies[f"jax a+1 {jnp.dtype(cdt).name}{' in place' if donate else ''}"] = 2 * n_bytes / (us * 1e-6)
-            del big
-    if torch_bw := benchutil.read_torch_copy(args.out):
-        copies["torch copy"] = torch_bw
-    bw_src = max(copies, key=copies.get)
-    bw = copies[bw_src]
-    tiny_fn = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    overhead_us = timed(tiny_fn, jnp.zeros((8, 128), jnp.float32))
-    print("copy bandwidth (1 GiB, read+write): " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
-          + f"; floors use {bw_src}; jit dispatch+sync overhead {overhead_us:.1f} us", flush=True)
+    copies, bw_src, bw = benchutil.floor_copies(args.out)
+    overhead_us = timed(jax.jit(lambda a: a + 1.0, donate_argnums=0), jnp.zeros((8, 128), jnp.float32))
+    print(f"jit dispatch + sync overhead {overhead_us:.1f} us", flush=True)
     with open(os.path.join(args.out, "copy_bw.json"), "w") as f:
         json.dump(dict(TB_per_s=bw / 1e12, source=bw_src, all={k: v / 1e12 for k, v in copies.items()}), f)
 
@@ -369,9 +347,9 @@ def main_fla(args):
     """flash-linear-attention's Triton causal_conv1d (varlen, initial state, silu) on the same shapes."""
     import numpy as np
     import torch
-    from triton.testing import do_bench
     from fla.modules.causal_conv1d import causal_conv1d_fwd
     from fla.ops.utils import prepare_chunk_indices
+    from triton.testing import do_bench
 
     dev = "cuda"
     bw = benchutil.torch_copy_bandwidth(args.out)
@@ -404,15 +382,17 @@ def main_fla(args):
         json.dump(dict(copy_TB_per_s=round(bw / 1e12, 3), rows=rows), f, indent=1)
 
 
-if __name__ == "__main__":
-    a = parse()
-    if a.fla:
-        main_fla(a)
-    elif a.torch_copy:
-        benchutil.torch_copy_bandwidth(a.out)
-    elif a.ncu_sweep:
-        main_ncu_sweep(a)
-    elif a.ncu_parse:
-        main_ncu_parse(a)
+def main(args):
+    if args.fla:
+        main_fla(args)
+    elif args.ncu_sweep:
+        main_ncu_sweep(args)
+    elif args.ncu_parse:
+        main_ncu_parse(args)
     else:
-        main_jax(a)
+        main_jax(args)
+    return 0
+
+
+if __name__ == "__main__":
+    benchutil.run_main(parse, main)

@@ -1,38 +1,28 @@
-"""Benchmark of the engine step (issue #6): planning overhead, tokens/s per verify mode, and the
-two ways to run tiers (host-chosen jitted step per tier vs one step with lax.switch on the device).
+"""The engine step: planning overhead, tokens/s per verify mode, and host- vs device-chosen tiers.
 
-(a) Planning overhead per step, at --plan-batches (1, 128), block --block (8), no model:
-  - host: `planner.choose_budget` (survival already in host memory) with a CostTable over the
-    admissible budgets of `layout.tiers`, plus `layout.tier_for`; and the engine's whole host path
-    `Engine._choose_tier` (it reads the lagged survival back from the device: a fresh device array
-    per call). For the switch dispatch the host instead builds a DevicePlan (`Engine._device_plan`).
-  - device: `planner.plan_lengths` + `layout.step_layout` jitted, per tier: in a lax.scan of
-    --scan-steps steps (device time per step, launch gaps included), and one jitted call per step
-    synchronised each time (dispatch + sync latency). Also the switch dispatch's device tier choice
-    (`engine._device_tier`) in a scan.
-(b) Tokens/s of generate at --batches (1, 8, 64) for verify modes none, static, cap-accept and
-  compact, compact both with tier_dispatch host and switch. One engine per (mode, batch) with
-  num_slots = batch, so every step runs exactly `batch` rows. Prompts: --prompt-len byte windows
-  of the held-out stdlib modules (jaxspec.train's split; the tiny models are byte-level), no EOS
-  stop (eos_token_id=[]), --max-new-tokens each. The cost table of cap-accept / compact is profiled
-  in this run (`Engine.profile` at that batch). Warm-up: generate calls until the engine is past
-  its estimator warm-up (SpecConfig.warmup_refits x refit_interval steps, so the timed run plans),
-  and every tier's step is compiled before the timed run (`compiled_in_run` says if anything still
-  compiled). Reported: tokens/s (generated tokens / generate wall time, prefill included), step
-  time (wall / engine steps), mean acceptance length (tokens committed per request-step), steps,
-  tier counts.
-(c) Host vs switch on the device alone: the jitted step per tier (host dispatch, static tier) and
-  the switch step with a DevicePlan that forces the same tier, each timed call by call
-  (synchronised), median of --step-reps; beside each, the GPU's busy time a step (the kernels'
-  summed durations from a profiler trace, `benchutil.gpu_kernel_times`) and its distinct kernels: wall
-  minus busy is what the host's dispatch and the launch gaps cost a step.
+(a) Planning, no model, at --plan-batches, block --block. Host: `planner.choose_budget` with a
+  CostTable over the admissible budgets of `layout.tiers` plus `layout.tier_for`; the engine's
+  whole host path `Engine._choose_tier` (it reads the lagged survival back from the device); the
+  switch dispatch's `Engine._device_plan`. Device: `planner.plan_lengths` + `layout.step_layout`
+  per tier and `engine._device_tier`, jitted: a step's share of a --scan-steps lax.scan, and one
+  synchronised call a step.
+(b) generate at --batches for the verify modes none, static, cap-accept and compact (compact with
+  tier_dispatch host and switch): one engine per (mode, batch), num_slots = batch; prompts of
+  --prompt-len bytes from the held-out corpus (jaxspec.train), no EOS stop, --max-new-tokens each;
+  cost tables profiled in the run (`Engine.profile`); warmed up past the estimator's warm-up with
+  every tier's step compiled (`compiled_in_run` says if anything compiled later). Reports tokens/s
+  (generated tokens / generate wall time), wall a step, acceptance length (tokens committed a
+  request-step), steps and tier counts.
+(c) Host vs switch on the device alone: the jitted step per tier against the switch step with a
+  DevicePlan forcing that tier, synchronised call by call (median of --step-reps), each with its
+  GPU busy time and kernels (`benchutil.gpu_kernel_times`): wall - busy = dispatch and launch gaps.
+Without --target/--draft, random-weight tiny models are built (acceptance is then meaningless).
 
-Usage (GPU machine):
-  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/engine_step.py \
-      --target models/tiny-target --draft models/tiny-dflash --out $OUT
-  python3 bench/engine_step.py --smoke            (CPU, random tiny models, tiny sizes)
-Without --target/--draft: random-weight tiny models are built and saved to a temp dir (acceptance
-is then meaningless). Writes DIR/engine_step.md and DIR/engine_step.json (DIR = --out).
+Usage:
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/engine_step.py --out $OUT \\
+      --target models/tiny-target --draft models/tiny-dflash
+  python3 bench/engine_step.py --smoke      (CPU, random tiny models, tiny sizes)
+Writes DIR/engine_step.md and DIR/engine_step.json (DIR = --out).
 """
 import argparse
 import collections
@@ -101,7 +91,8 @@ def main(args):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxspec import dflash, engine as engine_mod, train
+    from jaxspec import dflash, train
+    from jaxspec import engine as engine_mod
     from jaxspec import target as target_mod
     from jaxspec.config import SpecConfig
     from jaxspec.engine import DevicePlan, Engine
@@ -137,8 +128,8 @@ def main(args):
                       "small host arrays travel with the step call). "
                       "device: plan_lengths + step_layout per tier (scan: device time per step; call: one "
                       "synchronised jitted call); device tier: the switch's on-device tier choice (scan).", "",
-                      "| batch | tiers | host choose_budget | host _choose_tier cold | copied | switch host | device tier (scan) "
-                      "| device plan+layout per tier (scan) | same, one call each |",
+                      "| batch | tiers | host choose_budget | host _choose_tier cold | copied | switch host "
+                      "| device tier (scan) | device plan+layout per tier (scan) | same, one call each |",
                       "|---|---|---|---|---|---|---|---|---|"]
             for r in plan_rows:
                 lines.append(f"| {r['batch']} | {r['tiers']} | {fmt(r['host_choose_budget_us'])} "

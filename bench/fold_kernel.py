@@ -1,39 +1,43 @@
-"""Benchmark of the Pallas GDN fold (jaxspec/pallas/fold.py) against the XLA reference, on the GPU.
+"""GDN fold: the Pallas kernel (jaxspec/pallas/fold.py) against the XLA reference and its byte floor.
 
-Qwen3.8-27B TP1 shapes: H 16, HV 48, K = V = 128, ring L = 16, m = 8 live records in each of the
-`batch` slots 1..B (slot 0 is the null slot, m = 0), bf16 / fp32 checkpoints, fp32 or bf16 hi/lo
-ring (keys bf16), 1 layer or 48 layers in one call. The checkpoint is donated and folded in place
-(as the engine's commit does), so each timed call is one kernel launch with no copy.
+Shapes: H 16, HV 48, K = V = 128, ring L = 16, m = 8 live records in each of slots 1..B (slot 0,
+the null slot, has none); bf16 / fp32 checkpoints, fp32 or bf16 (hi, lo) ring updates (keys bf16);
+1 layer or 48 layers in one call (--layers); batches 128, 32, 8, 1.
 
-Times are GPU kernel times from CUPTI (jax's Mosaic GPU profiler hooks: every kernel an iteration
-launches, summed), median over iterations; `wall` is the host-side time per call of a queue of
-calls (dispatch-bound at small batch). Bytes that must move: read + write of the checkpoints of
-the m > 0 slots plus their live records (keys, updates, gates). The copy bandwidth is measured in
-the same run (`benchutil.jax_copy_bandwidth`: x + 1 over 1 GiB of float32, read + write).
+Method: the checkpoint is donated and folded in place, as the engine's commit does. Time = the GPU
+time a call from CUPTI (Mosaic GPU's profiler hooks: every kernel a call launches, summed), median
+over iterations; `wall` = host time a call in a queue of calls. floor = bytes that must move (the
+checkpoints of the m > 0 slots read and written, their live records read) / the fastest copy of the
+run (`benchutil.floor_copies`). XLA = `gdn_fold(impl="ref")` under jit, checkpoint donated; every
+kernel result is compared with it. --sweep first times SWEEP's tile configs at one batch and uses
+the fastest per checkpoint dtype.
 
-    python3 bench/fold_kernel.py --out $OUT            # full table -> fold_bench.md / .json
-    python3 bench/fold_kernel.py --sweep               # tile-config sweep at batch 128 too
+Usage (GPU):
+  python3 bench/fold_kernel.py --torch-copy --out $OUT       (own process, first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/fold_kernel.py --out $OUT [--sweep]
+  python3 bench/fold_kernel.py --smoke      (CPU, interpret mode, tiny heads: checks the script)
+Writes DIR/fold_bench.md and DIR/fold_bench.json (DIR = --out, default $OUT or bench/out).
 """
 import argparse
 import functools
 import gc
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 import jax
 import jax.numpy as jnp
 
-import benchutil  # bench/benchutil.py: the script directory is first on sys.path
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jaxspec.ops.gdn import gdn_fold      # noqa: E402
-from jaxspec.pallas import fold           # noqa: E402
+sys.path.insert(0, benchutil.ROOT)
+from jaxspec.ops.gdn import gdn_fold  # noqa: E402
+from jaxspec.pallas import fold  # noqa: E402
 
 H, HV, K, V, L, M = 16, 48, 128, 128, 16, 8
-# (block_v, num_warps, heads per program) tried at batch 128, 1 layer
+# (block_v, num_warps, heads per program) tried by --sweep at --sweep-batch, 1 layer
 SWEEP = ((64, 4, 1), (64, 4, 2), (64, 4, 4), (64, 4, 8), (32, 4, 1), (32, 4, 4), (32, 4, 8), (32, 2, 4),
          (64, 8, 4), (128, 8, 1), (128, 8, 2))
 
@@ -172,12 +176,11 @@ def fmt_table(rows, bw):
 def write_md(result, a, bw):
     rows = sorted(result["rows"], key=lambda r: (r["ckpt"], r["ring"], r["layers"], r["batch"]))
     md = [f"# GDN fold: Pallas kernel vs XLA reference ({result['device']})", "",
-          f"Copy bandwidth measured in the same run: {bw / 1e12:.3f} TB/s (x + 1 over 1 GiB f32, read + write). "
+          f"Floors at {result['floor_bandwidth']} {bw / 1e12:.3f} TB/s (same run). "
           f"H {H}, HV {HV}, K = V = {K}, ring L = {L}, m = {M} live records per slot, slot 0 null. "
           "Kernel and XLA times: CUPTI GPU time per call (median); wall: host time per call in a queue. "
-          "Floor: bytes that must move / copy bandwidth. XLA ref: jax.jit(gdn_fold, impl='ref'), checkpoint donated "
-          "(DESIGN's anchor of 593 us/layer bf16 at batch 128 was measured by another script). Library default config: "
-          f"{result['default_config']}.", "", fmt_table(rows, bw)]
+          "Floor: bytes that must move / copy bandwidth. XLA ref: jax.jit(gdn_fold, impl='ref'), checkpoint "
+          f"donated. Library default config: {result['default_config']}.", "", fmt_table(rows, bw)]
     if result["sweep"]:
         md += ["", f"Config sweep (1 layer, batch {a.sweep_batch}, hi/lo ring):", "",
                "| block_v | num_warps | heads | ckpt | kernel us | floor us | max rel err vs ref |",
@@ -193,25 +196,31 @@ def write_md(result, a, bw):
     return text
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="128,32,8,1")
     ap.add_argument("--layers", default="1,48")
-    ap.add_argument("--sweep", action="store_true", help="tile-config sweep at batch 128 (1 layer)")
+    ap.add_argument("--sweep", action="store_true", help="time SWEEP at --sweep-batch first, keep the fastest")
     ap.add_argument("--sweep-batch", type=int, default=128)
     ap.add_argument("--no-ref", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny head shapes (a CPU dry run of the script)")
-    a = ap.parse_args()
+    benchutil.add_common_args(ap)
+    a = ap.parse_args(argv)
     if a.smoke:
-        global H, HV, K, V
+        a.batches, a.layers, a.sweep_batch = "2", "1,2", 2
+    return a
+
+
+def main(a):
+    global H, HV, K, V
+    benchutil.setup_jax(a.smoke)
+    if a.smoke:
         H, HV, K, V = 2, 6, 32, 32
+    t_start = time.time()
     os.makedirs(a.out, exist_ok=True)
     print(jax.devices(), "cupti:", _CUPTI is not None, flush=True)
-    bw, _ = benchutil.jax_copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    result = dict(device=str(jax.devices()[0].device_kind), copy_bw=bw, default_config=vars(fold.FoldConfig()),
-                  sweep=[], rows=[])
+    copies, bw_src, bw = benchutil.floor_copies(a.out)
+    result = dict(device=str(jax.devices()[0].device_kind), copy_TB_per_s={k: v / 1e12 for k, v in copies.items()},
+                  floor_bandwidth=bw_src, default_config=vars(fold.FoldConfig()), sweep=[], rows=[])
 
     def dump():
         with open(os.path.join(a.out, "fold_bench.json"), "w") as f:
@@ -229,7 +238,8 @@ def main():
                     print("sweep", cfg, repr(e)[:500], flush=True)
                     continue
                 result["sweep"].append(r)
-                ok = r["finite"] and r["err_vs_ref"] is not None and r["err_vs_ref"] < (1e-5 if cd == jnp.float32 else 1e-2)
+                tol = 1e-5 if cd == jnp.float32 else 1e-2
+                ok = r["finite"] and r["err_vs_ref"] is not None and r["err_vs_ref"] < tol
                 name = jnp.dtype(cd).name
                 if ok and (name not in best or r["kernel_us"] < best[name][1]):
                     best[name] = (cfg, r["kernel_us"])
@@ -237,23 +247,26 @@ def main():
                       f"(floor {r['bytes'] / bw * 1e6:.1f}) err {r['err_vs_ref']}", flush=True)
                 dump()
         result["best"] = {k: vars(v[0]) for k, v in best.items()}
-    for layers in [int(x) for x in a.layers.split(",")]:
-        for batch in [int(x) for x in a.batches.split(",")]:
-            for cd in (jnp.bfloat16, jnp.float32):
-                for ring in ("hilo", "f32"):
-                    t0 = time.time()
-                    try:
-                        cfg = best.get(jnp.dtype(cd).name, (None,))[0]
-                        r = run_case(layers, batch, cd, ring, config=cfg, with_ref=not a.no_ref)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"L{layers} B{batch} {jnp.dtype(cd).name} {ring} FAILED: {e!r}"[:2000], flush=True)
-                        continue
-                    result["rows"].append(r)
-                    dump()
-                    print(f"L{layers} B{batch} {r['ckpt']} {ring}: kernel {r['kernel_us']:.1f} us "
-                          f"ref {r.get('ref_us', 0):.1f} us err {r['err_vs_ref']} ({time.time() - t0:.1f}s)",
-                          flush=True)
+    ints = lambda text: [int(x) for x in text.split(",")]
+    for layers, batch, cd, ring in itertools.product(ints(a.layers), ints(a.batches), (jnp.bfloat16, jnp.float32),
+                                                     ("hilo", "f32")):
+        if time.time() - t_start > a.budget_s:
+            print(f"budget: stop before L{layers} B{batch}", flush=True)
+            break
+        t0 = time.time()
+        try:
+            cfg = best.get(jnp.dtype(cd).name, (None,))[0]
+            r = run_case(layers, batch, cd, ring, config=cfg, with_ref=not a.no_ref)
+        except Exception as e:  # noqa: BLE001
+            print(f"L{layers} B{batch} {jnp.dtype(cd).name} {ring} FAILED: {e!r}"[:2000], flush=True)
+            continue
+        result["rows"].append(r)
+        dump()
+        print(f"L{layers} B{batch} {r['ckpt']} {ring}: kernel {r['kernel_us']:.1f} us "
+              f"ref {r.get('ref_us', 0):.1f} us err {r['err_vs_ref']} ({time.time() - t0:.1f}s)", flush=True)
     print(write_md(result, a, bw))
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    benchutil.run_main(parse, main)

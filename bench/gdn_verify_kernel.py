@@ -1,30 +1,31 @@
-"""Benchmark of the GDN replay-verify Pallas kernel against the XLA reference (and flash-linear-attention).
+"""GDN replay verify: the Pallas kernel (jaxspec/pallas/gdn_verify.py) against XLA, its byte floors and fla.
 
-Run on the GPU machine (device tool), from the repository root:
-    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD python3 bench/gdn_verify_kernel.py --out $OUT
-flash-linear-attention runs in its own process (.carry/anchors/fla_gdn_bench.py); pass its JSON lines
-with --fla FILE (several files allowed) and they are folded into the markdown table.
+Shapes: a Qwen3.8-27B GDN layer (H 16, HV 48, K = V = 128); full windows of T tokens (--ts) for B
+requests (--batches) in slots 1..B; q, k float32, v bf16, g, beta float32. A bf16 checkpoint comes
+with bf16 ring keys and the bf16 (hi, lo) ring, a float32 checkpoint with the float32 ring. Ring
+length 16 for T <= 8, else 32; history: write_pos = 0 or 8 records a slot (--hists).
 
-Shapes: Qwen3.8-27B GDN layer (H 16, HV 48, K = V = 128); full windows of T tokens for `batch`
-requests in slots 1..batch; q, k float32 (l2norm output), v bfloat16 (activation dtype), g, beta
-float32. A bf16 checkpoint comes with the bf16 (hi, lo) ring and bf16 keys (fold policy `every`),
-a float32 checkpoint with the float32 ring (policy `lazy`). Ring length 16 for T = 8, 32 for T = 16.
-History: write_pos = 0 (none) or 8 records per slot.
+Method: the op runs `iters` times in one jitted lax.fori_loop whose carry is the ring, aliased in
+place; median over `reps` of wall time / iters. Where the compiled loop holds a copy, donated
+back-to-back calls are timed too, and the faster of the two kept if those calls copy nothing. The
+coefficient kernel is timed alone the same way. floor = bytes that must move (checkpoint read once,
+window inputs, history records read, o and the window records written) / the fastest copy of the
+run (`benchutil.floor_copies`); ckpt floor = the checkpoint read alone. XLA =
+`jaxspec.ops.gdn.gdn_verify(impl="ref")` under jit. fla = flash-linear-attention's fused_recurrent
+(H = HV, state in the checkpoint's dtype) from the anchor's JSON lines (--fla, its own process).
+--sweep first times SWEEP at one batch and keeps the fastest config per checkpoint dtype.
 
-Timing: the op runs `iters` times inside one jitted lax.fori_loop whose carry is the ring (aliased
-in place, no copies: checked on the compiled HLO), wall clock around block_until_ready, median of
-`reps` repetitions, divided by iters. The copy bandwidth is measured in the same process (a 1 GiB
-float32 elementwise pass: read + write). Bytes that must move: the checkpoint tiles read once, the
-window inputs, the history records read, the outputs and the window records written.
-
-`--mosaic B1,B2,...`: the two-pass verify with its apply kernel in Triton and in Mosaic GPU
-(jaxspec/pallas/gdn_apply_mosaic.py) side by side, bf16 checkpoint with one float32 ring part (the
-Mosaic kernel's contract), T 8, each --hists; the same loop timing, the coefficient kernel alone,
-and the Mosaic result's error against the Triton one. Then the script exits.
+Usage (GPU):
+  python3 bench/gdn_verify_kernel.py --torch-copy --out $OUT       (own process, first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/gdn_verify_kernel.py --out $OUT \\
+      [--sweep] [--fla fla_T8.jsonl ...]
+  python3 bench/gdn_verify_kernel.py --smoke      (CPU, interpret mode, tiny shapes: checks the script)
+Writes DIR/gdn_verify_bench.jsonl (a line a case) and DIR/gdn_verify_bench.md.
 """
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -32,16 +33,14 @@ import statistics
 import sys
 import time
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 import jax
 import jax.numpy as jnp
 
-import benchutil  # bench/benchutil.py: the script directory is first on sys.path
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, benchutil.ROOT)
 from jaxspec.ops.gdn import gdn_verify  # noqa: E402
 from jaxspec.pallas import gdn_verify as kv  # noqa: E402
-from jaxspec.pallas import gdn_apply_mosaic  # noqa: E402
-from jaxspec.pallas import gdn_verify_two_pass as two_pass  # noqa: E402
+from jaxspec.pallas.hardware import default_interpret  # noqa: E402
 
 H, HV, K, V = 16, 48, 128, 128
 
@@ -146,19 +145,16 @@ def time_calls(fn, args, iters, reps):
     return statistics.median(times), copies
 
 
-INTERPRET = False
-
-
 def kernel_fn(t, cfg):
-    return lambda *a: kv.gdn_verify(*a, t, config=cfg, interpret=INTERPRET)
+    return lambda *a: kv.gdn_verify(*a, t, config=cfg)
 
 
 def coeff_fn(t, cfg):
-    """The two-pass verify's first kernel alone (M's first column stands in for o)."""
+    """The coefficient kernel alone (M's first column stands in for o)."""
     def fn(q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots):
-        mat, _, rk, rg = two_pass.coefficients(q, k, g, beta, rk, rg, write_pos, qsl, slots, t,
-                                               block_k=min(cfg.block_k, K), num_warps=cfg.coeff_warps,
-                                               interpret=INTERPRET, layer=None)
+        mat, _, rk, rg = kv.coefficients(q, k, g, beta, rk, rg, write_pos, qsl, slots, t,
+                                         block_k=min(cfg.block_k, K), num_warps=cfg.coeff_warps,
+                                         interpret=default_interpret(), layer=None)
         return mat[..., 0], rk, ru, rg
     return fn
 
@@ -173,144 +169,93 @@ def ref_fn(t):
     return lambda *a: gdn_verify(*a, t, impl="ref")
 
 
-def apply_variant_fn(t, cfg, which):
-    """Coefficients + one apply kernel over a single float32 ring_u part (the Mosaic kernel's
-    contract): which = "triton" (gdn_verify_two_pass.apply) or "mosaic" (gdn_apply_mosaic, its
-    compact records scattered into the ring by XLA)."""
-    def fn(q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots):
-        mat, mat_h, rk, rg = two_pass.coefficients(q, k, g, beta, rk, rg, write_pos, qsl, slots, t,
-                                                   block_k=min(cfg.block_k, K), num_warps=cfg.coeff_warps,
-                                                   interpret=INTERPRET, layer=None)
-        if which == "mosaic":
-            o, ru = gdn_apply_mosaic.apply_mosaic(q, k, v, ckpt, mat, mat_h, ru, write_pos, qsl, slots, t,
-                                                  interpret=INTERPRET)
-        else:
-            o, (ru,) = two_pass.apply(q, k, v, ckpt, mat, mat_h, (ru,), write_pos, qsl, slots, t,
-                                      block_v=min(cfg.block_v, V), block_k=min(cfg.block_k, K),
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, pad_rows=cfg.pad_rows,
-                                      interpret=INTERPRET, layer=None)
-        return o, rk, ru, rg
-    return fn
-
-
-def f32_ring(args):
-    """The bf16 case's inputs with ring_u as one float32 part (hi + lo)."""
-    args = list(args)
-    if isinstance(args[7], tuple):
-        hi, lo = args[7]
-        args[7] = hi.astype(jnp.float32) + lo.astype(jnp.float32)
-    return tuple(args)
-
-
-# (ckpt dtype, config fields) tried by --sweep at batch 128, T 8, no history; the fastest per dtype is
-# then used for the whole table. The first of each dtype is the default (fastest measured so far).
+# (ckpt dtype, VerifyConfig fields) timed by --sweep at --sweep-batch, T 8, no history; the first of
+# each dtype is kv.default_config's choice.
 SWEEP = [
-    ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=4, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=64, num_stages=2, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=64, num_stages=3, coeff_warps=1)),
-    ("bf16", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=2)),
-    ("bf16", dict(group="value_head", block_v=128, block_k=64)),
-    ("f32", dict(group="two_pass", block_v=64, block_k=32, coeff_warps=1)),
-    ("f32", dict(group="two_pass", block_v=128, block_k=16, num_stages=3, coeff_warps=1)),
-    ("f32", dict(group="two_pass", block_v=128, block_k=32, num_stages=3, coeff_warps=1)),
-    ("f32", dict(group="two_pass", block_v=64, block_k=32, num_stages=3, coeff_warps=1)),
-    ("f32", dict(group="value_head", block_v=64, block_k=32)),
+    ("bf16", dict(block_v=128, block_k=32, num_stages=3)),
+    ("bf16", dict(block_v=128, block_k=32, num_stages=4)),
+    ("bf16", dict(block_v=128, block_k=64, num_stages=2)),
+    ("bf16", dict(block_v=128, block_k=64, num_stages=3)),
+    ("bf16", dict(block_v=128, block_k=32, num_stages=3, coeff_warps=2)),
+    ("bf16", dict(block_v=128, block_k=32, num_stages=3, num_warps=8)),
+    ("bf16", dict(block_v=64, block_k=32, num_stages=3)),
+    ("f32", dict(block_v=64, block_k=32)),
+    ("f32", dict(block_v=128, block_k=16, num_stages=3)),
+    ("f32", dict(block_v=128, block_k=32, num_stages=3)),
+    ("f32", dict(block_v=64, block_k=32, num_stages=3)),
 ]
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--ts", default="8,16")
     ap.add_argument("--dtypes", default="bf16,f32")
     ap.add_argument("--hists", default="0,8")
-    ap.add_argument("--sweep", action="store_true", help="sweep configs at batch 128 first, keep the best")
+    ap.add_argument("--sweep", action="store_true", help="time SWEEP at --sweep-batch first, keep the fastest")
     ap.add_argument("--sweep-batch", type=int, default=128)
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--ref-batches", default="", help="run the XLA reference only at these batches (default all)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--fla", nargs="*", default=[])
-    ap.add_argument("--config", default="", help='dtype=json-config;... e.g. bf16={"group":"key_head"}')
-    ap.add_argument("--profile", default="", help="dtype:json-config: run that kernel 3 times at batch 128, T 8 (for ncu)")
-    ap.add_argument("--interpret", action="store_true", help="CPU smoke run of the script (interpret mode)")
-    ap.add_argument("--mosaic", default="", help="batches at which to time coefficients + the Triton and the "
-                    "Mosaic apply (bf16 checkpoint, float32 ring, T 8, --hists), then exit")
-    args_cli = ap.parse_args()
-    global INTERPRET
-    INTERPRET = args_cli.interpret
-    os.makedirs(args_cli.out, exist_ok=True)
-    log = open(os.path.join(args_cli.out, "gdn_verify_bench.jsonl"), "a")
+    ap.add_argument("--fla", nargs="*", default=[], help="the fla anchor's JSON lines (files)")
+    ap.add_argument("--config", default="", help='dtype=json;... VerifyConfig per dtype, e.g. bf16={"block_v":64}')
+    ap.add_argument("--profile", default="", help="dtype:json: run that config 3 times at batch 128, T 8, then "
+                    "exit (for ncu)")
+    benchutil.add_common_args(ap)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batches, args.ts, args.hists, args.sweep_batch, args.iters, args.reps = "2", "8", "8", 2, 1, 1
+    return args
+
+
+def main(args):
+    global H, HV, K, V
+    benchutil.setup_jax(args.smoke)
+    if args.smoke:
+        H, HV, K, V = 2, 4, 32, 32
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "gdn_verify_bench.jsonl"), "a")
 
     def emit(rec):
         print(json.dumps(rec), flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
 
-    if args_cli.profile:
-        d, fields = args_cli.profile.split(":", 1)
-        cfg = kv.VerifyConfig(**json.loads(fields))
+    if args.profile:
+        d, fields = args.profile.split(":", 1)
         a, _ = make_inputs(128, 8, DTYPES[d], 0)
-        run = jax.jit(lambda *x: kv.gdn_verify(*x, 8, config=cfg, interpret=False))
+        run = jax.jit(kernel_fn(8, kv.VerifyConfig(**json.loads(fields))))
         for _ in range(3):
             jax.block_until_ready(run(*a))
-        return
-    bw, copy_us = benchutil.jax_copy_bandwidth()
-    emit(dict(kind="copy", bytes=round(bw * copy_us * 1e-6), us=round(copy_us, 1), TB_per_s=round(bw / 1e12, 3),
+        return 0
+    copies, bw_src, bw = benchutil.floor_copies(args.out)
+    emit(dict(kind="copy", TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor=bw_src,
               device=str(jax.devices()[0].device_kind)))
-    if args_cli.mosaic:
-        cfg = kv.default_config(jnp.bfloat16, V)
-        for batch in [int(b) for b in args_cli.mosaic.split(",")]:
-            for hist in [int(h) for h in args_cli.hists.split(",")]:
-                mv = must_move(f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0]), 8, hist)
-                rec = dict(kind="mosaic", batch=batch, hist=hist, ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1),
-                           floor_us=round(mv["total"] / bw * 1e6, 1))
-                for which in ("triton", "mosaic"):
-                    try:
-                        a = f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0])     # fresh: the ring is donated
-                        us, us_min, copies = time_loop(apply_variant_fn(8, cfg, which), a, args_cli.iters,
-                                                       args_cli.reps)
-                        rec.update({f"{which}_us": round(us, 1), f"{which}_copies": copies[:4]})
-                    except Exception as e:
-                        rec[f"{which}_error"] = str(e)[:300]
-                outs = [jax.jit(apply_variant_fn(8, cfg, w))(*f32_ring(make_inputs(batch, 8, jnp.bfloat16, hist)[0]))
-                         for w in ("triton", "mosaic")]
-                for name, i in (("o", 0), ("ring_u", 2)):        # the Mosaic result against the Triton one
-                    ref, got = outs[0][i], outs[1][i]
-                    ok = jnp.isfinite(ref)
-                    rec[f"err_{name}"] = float(jnp.max(jnp.where(ok, jnp.abs(got - ref), 0.0)) /
-                                               jnp.max(jnp.where(ok, jnp.abs(ref), 0.0)))
-                rec["coeff_us"] = coeff_us(8, cfg, batch, jnp.bfloat16, hist, args_cli.iters, args_cli.reps)
-                emit(rec)
-        return
     best = {d: kv.default_config(DTYPES[d], V) for d in DTYPES}
-    for spec in filter(None, args_cli.config.split(";")):
+    for spec in filter(None, args.config.split(";")):
         d, fields = spec.split("=", 1)
         best[d] = kv.VerifyConfig(**json.loads(fields))
-    dtypes = args_cli.dtypes.split(",")
-    ts = [int(x) for x in args_cli.ts.split(",")]
-    if args_cli.sweep:
+    dtypes = args.dtypes.split(",")
+    if args.sweep:
         results = {d: [] for d in dtypes}
         for d, fields in SWEEP:
             if d not in dtypes:
                 continue
             cfg = kv.VerifyConfig(**fields)
-            a, _ = make_inputs(args_cli.sweep_batch, 8, DTYPES[d], 0)
+            a, _ = make_inputs(args.sweep_batch, 8, DTYPES[d], 0)
             name = ",".join(f"{k}={v}" for k, v in fields.items())
             try:
-                us, us_min, copies = time_loop(kernel_fn(8, cfg), a, args_cli.iters, args_cli.reps)
+                us, us_min, copied = time_loop(kernel_fn(8, cfg), a, args.iters, args.reps)
             except Exception as e:  # a config that fails to compile is reported, not fatal
                 emit(dict(kind="sweep", dtype=d, variant=name, error=str(e)[:300]))
                 continue
             mv = must_move(a, 8, 0)
-            extra = {}
-            if cfg.group == "two_pass":
-                extra["coeff_us"] = coeff_us(8, cfg, args_cli.sweep_batch, DTYPES[d], 0, args_cli.iters, args_cli.reps)
             emit(dict(kind="sweep", dtype=d, variant=name, us=round(us, 1), us_min=round(us_min, 1),
-                      frac_bw=round(mv["total"] / bw / (us * 1e-6), 3), copies=copies[:6], **extra))
+                      frac_bw=round(mv["total"] / bw / (us * 1e-6), 3), copies=copied[:6],
+                      coeff_us=coeff_us(8, cfg, args.sweep_batch, DTYPES[d], 0, args.iters, args.reps)))
             results[d].append((us, cfg))
         for d in dtypes:
             if results[d]:
@@ -318,93 +263,96 @@ def main():
             emit(dict(kind="best", dtype=d, config=dataclasses.asdict(best[d])))
 
     rows = []
-    for t in ts:
-        for d in dtypes:
-            for batch in [int(b) for b in args_cli.batches.split(",")]:
-                for hist in [int(h) for h in args_cli.hists.split(",")]:
-                    a, ring_len = make_inputs(batch, t, DTYPES[d], hist)
-                    mv = must_move(a, t, hist)
-                    iters = args_cli.iters if batch >= 32 else 4 * args_cli.iters
-                    rec = dict(kind="case", T=t, ckpt=d, batch=batch, hist=hist, ring=ring_len,
-                               config=dataclass_tuple(best[d]), bytes=mv["total"], ckpt_bytes=mv["ckpt"],
-                               floor_us=round(mv["total"] / bw * 1e6, 1), ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1))
-                    try:
-                        us, us_min, copies = time_loop(kernel_fn(t, best[d]), a, iters, args_cli.reps)
-                        rec.update(us_loop=round(us, 1), us_min=round(us_min, 1), copies=copies[:6])
-                        if copies:   # XLA copied something inside the loop: time donated calls as well
-                            a, _ = make_inputs(batch, t, DTYPES[d], hist)
-                            c_us, c_copies = time_calls(kernel_fn(t, best[d]), a, iters, args_cli.reps)
-                            rec.update(us_calls=round(c_us, 1), copies_calls=c_copies[:6])
-                            us = us if c_copies else min(us, c_us)
-                        rec.update(us=round(us, 1), frac_bw=round(mv["total"] / bw / (us * 1e-6), 3))
-                        if best[d].group == "two_pass":
-                            rec.update(coeff_us=coeff_us(t, best[d], batch, DTYPES[d], hist, iters, args_cli.reps))
-                    except Exception as e:
-                        rec.update(error=str(e)[:300])
-                    ref_b = [int(x) for x in args_cli.ref_batches.split(",") if x]
-                    if not args_cli.no_ref and (not ref_b or batch in ref_b):
-                        try:
-                            a, _ = make_inputs(batch, t, DTYPES[d], hist)
-                            r_us, _, r_copies = time_loop(ref_fn(t), a, max(4, iters // 10), max(3, args_cli.reps // 2))
-                            rec.update(ref_us=round(r_us, 1), ref_copies=r_copies[:6])
-                            if "us" in rec:
-                                rec["speedup_vs_ref"] = round(r_us / rec["us"], 2)
-                        except Exception as e:
-                            rec.update(ref_error=str(e)[:300])
-                    emit(rec)
-                    rows.append(rec)
-    fla = load_fla(args_cli.fla)
-    write_markdown(os.path.join(args_cli.out, "gdn_verify_bench.md"), bw, rows, fla)
+    ref_b = [int(x) for x in args.ref_batches.split(",") if x]
+    ints = lambda text: [int(x) for x in text.split(",")]
+    for t, d, batch, hist in itertools.product(ints(args.ts), dtypes, ints(args.batches), ints(args.hists)):
+        if time.time() - t_start > args.budget_s:
+            print(f"budget: stop before T {t}, {d}, batch {batch}, hist {hist}", flush=True)
+            break
+        run_ref = not args.no_ref and (not ref_b or batch in ref_b)
+        rows.append(run_case(args, t, d, batch, hist, best[d], bw, run_ref))
+        emit(rows[-1])
+    write_markdown(os.path.join(args.out, "gdn_verify_bench.md"), bw_src, bw, rows, load_fla(args.fla))
+    return 0
 
 
-def dataclass_tuple(cfg):
-    grp = {"value_head": "V", "key_head": "Kp" if cfg.prefetch else "K", "two_pass": f"2P{cfg.coeff_warps}"}[cfg.group]
-    return [grp, cfg.block_v, cfg.block_k, cfg.num_warps, cfg.num_stages]
+def run_case(args, t, d, batch, hist, cfg, bw, run_ref):
+    """One table row: the kernel (and its coefficient pass) and, with run_ref, the XLA reference."""
+    a, ring_len = make_inputs(batch, t, DTYPES[d], hist)
+    mv = must_move(a, t, hist)
+    iters = args.iters if batch >= 32 else 4 * args.iters
+    rec = dict(kind="case", T=t, ckpt=d, batch=batch, hist=hist, ring=ring_len, config=config_label(cfg),
+               bytes=mv["total"], ckpt_bytes=mv["ckpt"], floor_us=round(mv["total"] / bw * 1e6, 1),
+               ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1))
+    try:
+        us, us_min, copied = time_loop(kernel_fn(t, cfg), a, iters, args.reps)
+        rec.update(us_loop=round(us, 1), us_min=round(us_min, 1), copies=copied[:6])
+        if copied:   # XLA copied something inside the loop: time donated calls as well
+            a, _ = make_inputs(batch, t, DTYPES[d], hist)
+            c_us, c_copied = time_calls(kernel_fn(t, cfg), a, iters, args.reps)
+            rec.update(us_calls=round(c_us, 1), copies_calls=c_copied[:6])
+            us = us if c_copied else min(us, c_us)
+        rec.update(us=round(us, 1), frac_bw=round(mv["total"] / bw / (us * 1e-6), 3),
+                   coeff_us=coeff_us(t, cfg, batch, DTYPES[d], hist, iters, args.reps))
+    except Exception as e:
+        rec.update(error=str(e)[:300])
+    if run_ref:
+        try:
+            a, _ = make_inputs(batch, t, DTYPES[d], hist)
+            r_us, _, r_copied = time_loop(ref_fn(t), a, max(4, iters // 10), max(3, args.reps // 2))
+            rec.update(ref_us=round(r_us, 1), ref_copies=r_copied[:6])
+            if "us" in rec:
+                rec["speedup_vs_ref"] = round(r_us / rec["us"], 2)
+        except Exception as e:
+            rec.update(ref_error=str(e)[:300])
+    return rec
+
+
+def config_label(cfg):
+    return [cfg.block_v, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.coeff_warps]
 
 
 def load_fla(paths):
+    """{(T, ckpt dtype, batch): µs} of the anchor's "fla fused_recurrent" lines."""
     out = {}
     for p in paths:
         if not os.path.exists(p):
             continue
         for line in open(p):
-            line = line.strip()
             if not line.startswith("{"):
                 continue
             r = json.loads(line)
             if r.get("kernel") == "fla fused_recurrent":
-                d = "f32" if "float32" in r["state"] else "bf16"
-                out[(r["T"], d, r["batch"])] = r["us"]
-            if r.get("kernel", "").startswith("torch copy"):
-                out["copy_TBps"] = r["TB_per_s"]
+                out[(r["T"], "f32" if "float32" in r["state"] else "bf16", r["batch"])] = r["us"]
     return out
 
 
-def write_markdown(path, bw, rows, fla):
+def write_markdown(path, bw_src, bw, rows, fla):
     lines = [
-        "# GDN replay verify: Pallas (Triton) kernel",
+        "# GDN replay verify: Pallas kernel",
         "",
-        f"Device: {jax.devices()[0].device_kind}; copy bandwidth measured in the same run: {bw / 1e12:.2f} TB/s"
-        + (f" (torch copy in the fla process: {fla['copy_TBps']} TB/s)" if "copy_TBps" in fla else "") + ".",
-        "H 16, HV 48, K = V = 128, full windows of T tokens; bf16 checkpoint with the bf16 (hi, lo) ring,",
+        f"Device: {jax.devices()[0].device_kind}; floors at {bw_src} {bw / 1e12:.2f} TB/s (same run).",
+        f"H {H}, HV {HV}, K = V = {K}, full windows of T tokens; bf16 checkpoint with the bf16 (hi, lo) ring,",
         "fp32 checkpoint with the fp32 ring. floor = bytes that must move / copy bandwidth; ckpt floor = the",
-        "checkpoint read once. frac = floor / time. fla = flash-linear-attention fused_recurrent (H = HV,",
-        "separate process, same machine), state of the checkpoint's dtype.",
+        "checkpoint read once. frac = floor / time. coeff = the coefficient kernel alone. fla =",
+        "flash-linear-attention fused_recurrent (H = HV, own process), state of the checkpoint's dtype.",
         "",
-        "| T | ckpt | hist | batch | config (group,BV,BK,W,S) | kernel us | MB | floor us | ckpt floor us | frac bw | XLA ref us | x vs ref | fla us | x vs fla |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T | ckpt | hist | batch | config (BV,BK,W,S,CW) | kernel us | coeff us | MB | floor us | ckpt floor us "
+        "| frac bw | XLA ref us | x vs ref | fla us | x vs fla |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         f = fla.get((r["T"], r["ckpt"], r["batch"]))
         us = r.get("us")
-        lines.append("| {T} | {ckpt} | {hist} | {batch} | {cfg} | {us_s} | {mb:.1f} | {floor_us} | {ckpt_floor_us} | {frac} | "
-                     "{ref} | {sp} | {fla} | {xf} |".format(
+        lines.append("| {T} | {ckpt} | {hist} | {batch} | {cfg} | {us_s} | {coeff} | {mb:.1f} | {floor_us} "
+                     "| {ckpt_floor_us} | {frac} | {ref} | {sp} | {fla} | {xf} |".format(
                          cfg=",".join(map(str, r["config"])), us_s=us if us is not None else r.get("error", "-")[:60],
-                         mb=r["bytes"] / 1e6, frac=r.get("frac_bw", "-"), ref=r.get("ref_us", "-"),
-                         sp=r.get("speedup_vs_ref", "-"), fla=f if f else "-",
+                         coeff=r.get("coeff_us", "-"), mb=r["bytes"] / 1e6, frac=r.get("frac_bw", "-"),
+                         ref=r.get("ref_us", "-"), sp=r.get("speedup_vs_ref", "-"), fla=f or "-",
                          xf=round(f / us, 1) if (f and us) else "-", **r))
-    open(path, "w").write("\n".join(lines) + "\n")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    benchutil.run_main(parse, main)

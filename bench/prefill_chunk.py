@@ -1,24 +1,23 @@
-"""Chunked GDN prefill: XLA (`jaxspec.ops.gdn.gdn_chunked`, the jnp reference) and the Pallas
-kernels (`jaxspec.pallas.gdn_chunked`, impl="pallas") against flash-linear-attention's
-`chunk_gated_delta_rule` on the same shapes (issue 4 item 5).
+"""Chunked GDN prefill: the Pallas kernels (jaxspec/pallas/gdn_chunked.py) against XLA and fla's chunk kernel.
 
-Shapes: Qwen3.8-27B TP1 GDN layer (H 16 key heads, HV 48 value heads, K = V = 128), bf16 q/k/v,
-fp32 gates and state, one layer. fla takes as many key heads as value heads: its run repeats the
-16 key heads 3x (same math; it reads 3x the q/k bytes, which is < 15 % of its traffic). Timing:
-CUDA-synchronised median of back-to-back jitted calls. fla runs in its own process (the anchor
-script) in the same device call: `fla_gdn_bench.py --batches 1,4 --T 4096` prints "fla chunk
-varlen" rows (B sequences of T tokens, varlen); its fused_recurrent timing, which runs first,
-crashed at T = 4096 on the H200, so run a copy of the script with that timing removed.
-Pallas rows: the default configuration ("pallas gdn_chunked") with its ratio to the XLA row of
-the same case (vs_xla = xla_us / us), to fla (vs_fla = us / fla_us, when --fla-jsonl names the
-anchor's output of the same call), its prep kernel alone (prep_us: the chunk-parallel part; the
-rest is the sequential state kernel), the read+write floor of the op's own inputs and outputs
-(q, k, v, g, beta, h0, o, h) at the copy bandwidth measured here (floor_us, frac_bw = floor / us),
-and the relative RMS difference of o and h from the XLA result. --sweep adds one row per state-
-kernel configuration "BVxWARPSxSTAGES" (optionally "xCHUNK" and "xPREPWARPS").
-Usage (GPU): PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/prefill_chunk.py --out $OUT
-  [--fla-jsonl fla.jsonl] [--sweep 16x4x1,32x4x1,32x4x2,64x4x2,64x8x1,128x8x1,64x4x1x32x1,128x8x1x32x1]
-(the default configuration is 64x4x1x32x1: block_v 64, 4 warps, 1 stage, chunk 32, 1 prep warp).
+Shapes: a Qwen3.8-27B GDN layer (H 16 key heads, HV 48 value heads, K = V = 128), bf16 q/k/v, fp32
+gates and state, one layer; cases BATCHxT (--cases: B sequences of T tokens).
+
+Method: CUDA-synchronised median of back-to-back jitted calls (`benchutil.median_us`). Rows: "xla
+gdn_chunked" (`jaxspec.ops.gdn.gdn_chunked`, the jnp reference, under jit); "pallas gdn_chunked"
+(the default ChunkConfig) with vs_xla = xla / ours, prep_us = its chunk-parallel prep kernel alone
+(the rest is the sequential state kernel), and the relative RMS difference of o and h from XLA's;
+floor = the op's own bytes (q, k, v, g, beta, h0 read; o, h written) / the fastest copy of the run
+(`benchutil.floor_copies`), frac_bw = floor / time. fla: the anchor's "fla chunk varlen" rows
+(fp32 state, its own process, H = HV: the key heads repeated) from --fla-jsonl, vs_fla = ours / fla.
+--sweep adds a row per state-kernel config BVxWARPSxSTAGES[xCHUNK[xPREPWARPS]].
+
+Usage (GPU):
+  python3 bench/prefill_chunk.py --torch-copy --out $OUT       (own process, first)
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/prefill_chunk.py --out $OUT \\
+      [--fla-jsonl fla.jsonl] [--sweep 32x4x1,64x4x2,128x8x1]
+  python3 bench/prefill_chunk.py --smoke      (CPU, interpret mode, tiny shapes: checks the script)
+Writes DIR/prefill_chunk.json (DIR = --out, default $OUT or bench/out).
 """
 import argparse
 import functools
@@ -27,12 +26,11 @@ import os
 import sys
 import time
 
+import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 import jax
 import jax.numpy as jnp
 
-import benchutil  # bench/benchutil.py: the script directory is first on sys.path
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, benchutil.ROOT)
 from jaxspec.ops.gdn import gdn_chunked  # noqa: E402
 from jaxspec.pallas import gdn_chunked as pallas_chunked  # noqa: E402
 
@@ -84,7 +82,7 @@ def rel_rms(a, b):
     return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b ** 2)))
 
 
-def main(argv=None):
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x1024,1x4096,1x16384,8x1024", help="BATCHxT, comma-separated")
     ap.add_argument("--impls", default="xla,pallas", help="which rows: xla, pallas (comma-separated)")
@@ -92,14 +90,22 @@ def main(argv=None):
     ap.add_argument("--fla-jsonl", default="", help="fla anchor output of the same device call")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--budget-s", type=float, default=1e9)
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"))
+    benchutil.add_common_args(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.cases, args.iters, args.reps = "1x64", 1, 1
+    return args
+
+
+def main(args):
+    global H, HV, K, V
+    benchutil.setup_jax(args.smoke)
+    if args.smoke:
+        H, HV, K, V = 2, 4, 32, 32
     os.makedirs(args.out, exist_ok=True)
     impls = set(args.impls.split(","))
     fla = read_fla(args.fla_jsonl)
-    bw, _ = benchutil.jax_copy_bandwidth(args.reps)
-    print(json.dumps({"kernel": "xla copy 1 GiB", "TB_per_s": round(bw / 1e12, 3)}), flush=True)
+    copies, bw_src, bw = benchutil.floor_copies(args.out)
     fn = jax.jit(lambda *a: gdn_chunked(*a, impl="ref"))
     configs = [("pallas gdn_chunked", None)] + [(f"pallas {s}", parse_config(s)) for s in args.sweep.split(",") if s]
     rows, start = [], time.perf_counter()
@@ -150,9 +156,10 @@ def main(argv=None):
                     row["vs_fla"] = round(us / fla[(batch, t)], 2)
                 emit(row)
     with open(os.path.join(args.out, "prefill_chunk.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0]), "copy_TB_per_s": round(bw / 1e12, 3), "rows": rows}, f, indent=1)
+        json.dump({"device": str(jax.devices()[0]), "floor_bandwidth": bw_src,
+                   "copy_TB_per_s": {k: round(v / 1e12, 3) for k, v in copies.items()}, "rows": rows}, f, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    benchutil.run_main(parse, main)

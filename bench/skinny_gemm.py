@@ -1,26 +1,29 @@
-"""The target's projections at Qwen3.5-27B shapes with few rows (decode and verify steps): how
-each way of writing the product compares with its weight-read floor.
+"""The target's projections at Qwen3.5-27B shapes with few rows: each form of `x @ W` against its weight-read floor.
 
-Three bf16 weight sets of one layer / the head: the SwiGLU MLP (gate, up [5120, 17408], down
-[17408, 5120], 535 MB), a GDN layer's projections (qkv [5120, 10240], z [5120, 6144], a, b
-[5120, 48], out [6144, 5120], 232 MB) and the lm_head [5120, 248320] (2.5 GB), at M rows for M in
---rows. Variants of `x @ W` (bf16 x, bf16 W, float32 accumulation, bf16 result):
-  highest    jnp.dot(..., precision=HIGHEST, preferred_element_type=float32).astype(bf16): the
-             target's `_dense` today
+Few rows: decode and verify steps.
+
+Shapes: three bf16 weight sets, the SwiGLU MLP (gate, up [5120, 17408], down [17408, 5120], 535 MB),
+a GDN layer's projections (qkv [5120, 10240], z [5120, 6144], a, b [5120, 48], out [6144, 5120],
+232 MB) and the lm_head [5120, 248320] (2.5 GB), at M rows for M in --rows. Variants of `x @ W`:
+  highest    jnp.dot(..., precision=HIGHEST, preferred_element_type=float32).astype(bf16)
   default    the same with the default precision
   pad8       highest on x padded with zero rows to a multiple of 8 (a shape XLA hands to cuBLAS)
-  bf16_out   jnp.dot(x, W) (bf16 result; XLA picks the accumulation)
-Each function is jitted and its GPU busy time read from a profiler trace (kernels' summed
-durations, benchutil.gpu_kernel_times), with the kernel names; floor = weight bytes / the copy
-bandwidth of the run. Run it under different XLA_FLAGS in one device call to compare flags.
+  bf16_out   jnp.dot(x, W), bf16 result (XLA picks the accumulation): `jaxspec.ops.linear.dense`
+             on bf16 operands
+Method: each function jitted; GPU busy = the kernels' summed durations from a profiler trace
+(`benchutil.gpu_kernel_times`), with the kernel names; floor = weight bytes / the fastest copy of
+the run (`benchutil.floor_copies`). Run it under different XLA_FLAGS in one device call to compare
+flags (--tag names the run).
 
-Usage: PYTHONPATH=$PWD python3 bench/skinny_gemm.py --out $OUT [--rows 1,2,4,8,16,32,64]
-       python3 bench/skinny_gemm.py --smoke      (CPU, small shapes)
+Usage (GPU):
+  python3 bench/skinny_gemm.py --torch-copy --out $OUT      (own process, first)
+  PYTHONPATH=$PWD python3 bench/skinny_gemm.py --out $OUT [--rows 1,2,4,8,16,32,64]
+  python3 bench/skinny_gemm.py --smoke      (CPU, small shapes)
+Writes DIR/skinny_gemm_TAG.json and prints a table.
 """
 import argparse
 import json
 import os
-import sys
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
@@ -30,17 +33,15 @@ GDN = dict(qkv=(D, 10240), z=(D, 6144), a=(D, 48), b=(D, 48), out=(6144, D))
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--variants", default="highest,default,pad8,bf16_out")
     ap.add_argument("--sets", default="mlp,gdn,lm_head")
     ap.add_argument("--tag", default=os.environ.get("XLA_FLAGS", "") or "default flags")
-    ap.add_argument("--smoke", action="store_true")
+    benchutil.add_common_args(ap, budget=False)
     return ap.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse(argv)
+def main(args):
     benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
@@ -79,8 +80,7 @@ def main(argv=None):
     shapes = dict(mlp=dict(gate=(D, I), up=(D, I), down=(I, D)), gdn=GDN, lm_head=dict(w=(D, VOCAB)))
     fns = dict(mlp=mlp, gdn=gdn, lm_head=head)
     key = jax.random.PRNGKey(0)
-    copies = benchutil.copy_bandwidths(args.out)
-    bw_name, bw = benchutil.floor_bandwidth(copies)
+    _, bw_name, bw = benchutil.floor_copies(args.out)
     rows = []
     for name in args.sets.split(","):
         params = {}
@@ -116,4 +116,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    benchutil.run_main(parse, main)
