@@ -93,19 +93,11 @@ class DevicePlan:
 
 
 def _device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
-    """Index of the verify tier, chosen on the device by `planner.choose_budget`'s rule (the
-    budget maximising tau(n) / c(n) over the admissible budgets, first maximum wins) and
-    `Engine._choose_tier`'s inputs, so it picks the tier the host would pick (up to float32
-    rounding of tau / c in near-ties)."""
-    n = jnp.sum(active, dtype=jnp.int32)
-    s = jnp.where(active[:, None], jnp.where(plan.same[:, None], plan.survival, 1.0), -jnp.inf).reshape(-1)
-    top = -jnp.sort(-jnp.where(jnp.isnan(s), -jnp.inf, s))
-    tau = n + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(jnp.isfinite(top), top, 0.0))])
-    tiers = jnp.asarray(tiers, jnp.int32)
-    budgets = jnp.clip(jnp.minimum(tiers - n, n * drafts_per_row), 0, s.shape[0])
-    rate = jnp.where(tiers >= n, tau[budgets] / plan.costs[n], -jnp.inf)
-    best = budgets[jnp.argmax(rate)]
-    return jnp.where(plan.plan, jnp.searchsorted(tiers, n + best, side="left"), tiers.shape[0] - 1).astype(jnp.int32)
+    """Index of the verify tier chosen on the device (`planner.choose_tier`) from
+    `Engine._choose_tier`'s inputs; the last (full) tier while `plan.plan` is False."""
+    survival = jnp.where(plan.same[:, None], plan.survival, 1.0)
+    tier = planner.choose_tier(survival, active, plan.costs, tiers, drafts_per_row)
+    return jnp.where(plan.plan, tier, len(tiers) - 1).astype(jnp.int32)
 
 
 def _step(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, window, tier, mode, greedy,

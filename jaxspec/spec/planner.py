@@ -182,6 +182,27 @@ def choose_budget(survival, cost_table: CostTable, admissible: Iterable[int], *,
     return best
 
 
+def choose_tier(survival, active, costs, tiers, drafts_per_row):
+    """`choose_budget`'s rule on the device (jittable): the index of the verify tier.
+
+    survival [S, D] float32 (rows of inactive slots ignored), active bool [S], costs [S + 1,
+    len(tiers)] (seconds of tier j's admissible budget at n active rows), tiers ascending token
+    counts, drafts_per_row static. With n active rows the budget of tier j is min(tier_j - n,
+    n * drafts_per_row); the tier whose budget maximises tau / c wins (first maximum), and the
+    index returned is that of the smallest tier holding n + budget tokens. Same choice as the host
+    rule up to float32 rounding of tau / c in near-ties.
+    """
+    n = jnp.sum(active, dtype=jnp.int32)
+    s = jnp.where(active[:, None], survival, -jnp.inf).reshape(-1)
+    top = -jnp.sort(-jnp.where(jnp.isnan(s), -jnp.inf, s))
+    tau = n + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.where(jnp.isfinite(top), top, 0.0))])
+    tiers = jnp.asarray(tiers, jnp.int32)
+    budgets = jnp.clip(jnp.minimum(tiers - n, n * drafts_per_row), 0, s.shape[0])
+    rate = jnp.where(tiers >= n, tau[budgets] / costs[n], -jnp.inf)
+    best = budgets[jnp.argmax(rate)]
+    return jnp.searchsorted(tiers, n + best, side="left").astype(jnp.int32)
+
+
 def plan_lengths(survival, budget):
     """Drafts to verify per request: int32 [B] (device, jittable; `budget` may be traced).
 
