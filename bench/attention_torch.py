@@ -22,6 +22,7 @@ kernel names tell which algorithm ran. Run it in its own process: torch and JAX 
 Usage (GPU): python3 bench/attention_torch.py --out $OUT [--shapes 1:4096,8:1024]
 Writes DIR/attention_torch.json and prints a table.
 """
+
 import argparse
 import json
 import os
@@ -51,8 +52,12 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    backend_of = dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION,
-                      efficient=SDPBackend.EFFICIENT_ATTENTION, math=SDPBackend.MATH)
+    backend_of = dict(
+        flash=SDPBackend.FLASH_ATTENTION,
+        cudnn=SDPBackend.CUDNN_ATTENTION,
+        efficient=SDPBackend.EFFICIENT_ATTENTION,
+        math=SDPBackend.MATH,
+    )
     T, Hq, KVH, D = args.T, args.hq, args.kvh, args.D
     dev = torch.device("cuda")
     results = []
@@ -61,14 +66,16 @@ def main(argv=None):
         """o [B, Hq, T, D] of q [B, Hq, T, D] against kv [2, B, n, KVH, D]."""
         k, v = kv[0], kv[1]
         if backend == "flash_gqa":
-            o = torch.ops.aten._flash_attention_forward(q.transpose(1, 2), k, v, None, None, T, k.shape[1],
-                                                        0.0, True, False)[0]
+            o = torch.ops.aten._flash_attention_forward(
+                q.transpose(1, 2), k, v, None, None, T, k.shape[1], 0.0, True, False
+            )[0]
             return o.transpose(1, 2)
         if backend == "read":
             return kv.sum(dtype=torch.float32)
         with sdpa_kernel(backend_of[backend]):
-            return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                                  enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            )
 
     def trace(fn, rounds):
         """(busy µs, span µs, {kernel name: median µs}) a round of `fn` over `rounds` profiled rounds."""
@@ -78,8 +85,13 @@ def main(argv=None):
             for _ in range(rounds):
                 fn()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+        kernels = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()
+        ]
         start = min(e.time_range.start for e in kernels)
         end = max(e.time_range.end for e in kernels)
         by_name = {}
@@ -94,8 +106,13 @@ def main(argv=None):
         kv_bytes = 2 * B * n * KVH * D * 2
         n_sets = benchutil.cycled_sets(kv_bytes)
         gen = torch.Generator(device=dev).manual_seed(B * 100003 + ctx)
-        sets = [(torch.randn(B, Hq, T, D, device=dev, dtype=torch.bfloat16, generator=gen),
-                 torch.randn(2, B, n, KVH, D, device=dev, dtype=torch.bfloat16, generator=gen)) for _ in range(n_sets)]
+        sets = [
+            (
+                torch.randn(B, Hq, T, D, device=dev, dtype=torch.bfloat16, generator=gen),
+                torch.randn(2, B, n, KVH, D, device=dev, dtype=torch.bfloat16, generator=gen),
+            )
+            for _ in range(n_sets)
+        ]
         want = {}
         if B * n <= args.check_max_keys:
             q, kv = (x.float() for x in sets[0])
@@ -116,15 +133,23 @@ def main(argv=None):
             if "refused" in row:
                 print(f"B {B:3d} ctx {ctx:5d} {backend:9s}: refused ({row['refused']})", flush=True)
             else:
-                print(f"B {B:3d} ctx {ctx:5d} {backend:9s}: GPU busy {row['busy_us']:9.1f} us, span "
-                      f"{row['span_us']:9.1f} us, err {row.get('rel_err', float('nan')):.2e}, kernels "
-                      + "; ".join(f"{k[:60]} {v:.1f}" for k, v in row["kernels"].items()), flush=True)
-        sets.clear()                     # frees the K / V sets before the next shape
+                print(
+                    f"B {B:3d} ctx {ctx:5d} {backend:9s}: GPU busy {row['busy_us']:9.1f} us, span "
+                    f"{row['span_us']:9.1f} us, err {row.get('rel_err', float('nan')):.2e}, kernels "
+                    + "; ".join(f"{k[:60]} {v:.1f}" for k, v in row["kernels"].items()),
+                    flush=True,
+                )
+        sets.clear()  # frees the K / V sets before the next shape
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "attention_torch.json"), "w") as f:
-        json.dump(dict(torch=torch.__version__, device=torch.cuda.get_device_name(), T=T, Hq=Hq, KVH=KVH, D=D,
-                       results=results), f, indent=1)
+        json.dump(
+            dict(
+                torch=torch.__version__, device=torch.cuda.get_device_name(), T=T, Hq=Hq, KVH=KVH, D=D, results=results
+            ),
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

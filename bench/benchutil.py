@@ -2,6 +2,7 @@
 `--torch-copy` mode, one median timer, the copy bandwidths floors divide by (JAX's `x + 1` in the
 script's process; torch's device-to-device copy, measured in a process of its own beforehand and
 passed on through DIR/copy_bw_torch.json), and the GPU's own kernel times from a profiler trace."""
+
 import glob
 import json
 import math
@@ -33,8 +34,11 @@ def add_common_args(ap, budget: bool = True) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "bench", "out"))
     if budget:
         ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--torch-copy", action="store_true", help="measure the torch copy bandwidth alone (in a process "
-                    "of its own, before the run), then exit")
+    ap.add_argument(
+        "--torch-copy",
+        action="store_true",
+        help="measure the torch copy bandwidth alone (in a process of its own, before the run), then exit",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes: checks the script")
 
 
@@ -44,7 +48,7 @@ def setup_jax(smoke: bool) -> None:
     repository root importable."""
     if smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        if "jax" in sys.modules:                # imported already: it read JAX_PLATFORMS then
+        if "jax" in sys.modules:  # imported already: it read JAX_PLATFORMS then
             sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.path.insert(0, ROOT)
@@ -136,8 +140,10 @@ def floor_copies(out_dir) -> tuple[dict[str, float], str, float]:
     """(copies, name, bytes/s): `copy_bandwidths(out_dir)` and its `floor_bandwidth`, printed."""
     copies = copy_bandwidths(out_dir)
     name, bw = floor_bandwidth(copies)
-    print("copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items())
-          + f"; floors use {name}", flush=True)
+    print(
+        "copy bandwidth: " + ", ".join(f"{k} {v / 1e12:.3f} TB/s" for k, v in copies.items()) + f"; floors use {name}",
+        flush=True,
+    )
     return copies, name, bw
 
 
@@ -173,7 +179,7 @@ def gpu_kernel_times(fn, *args, calls=5) -> dict:
         for plane in ProfileData.from_file(paths[0]).planes if paths else ():
             if not plane.name.startswith("/device:GPU"):
                 continue
-            for line in plane.lines:                     # stream lines; "XLA Ops" / "XLA Modules" are derived
+            for line in plane.lines:  # stream lines; "XLA Ops" / "XLA Modules" are derived
                 lines.add(line.name)
                 if "stream" in line.name.lower():
                     events += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
@@ -185,6 +191,9 @@ def gpu_kernel_times(fn, *args, calls=5) -> dict:
     by_name: dict[str, list[float]] = {}
     for _, dur, name in kernels:
         by_name.setdefault(name, []).append(dur / 1e3)
-    return {"span_us": (end - start) / 1e3 / calls, "busy_us": sum(e[1] for e in kernels) / 1e3 / calls,
-            "lines": sorted(lines),
-            "kernels": {name: statistics.median(v) for name, v in by_name.items()}}
+    return {
+        "span_us": (end - start) / 1e3 / calls,
+        "busy_us": sum(e[1] for e in kernels) / 1e3 / calls,
+        "lines": sorted(lines),
+        "kernels": {name: statistics.median(v) for name, v in by_name.items()},
+    }

@@ -28,6 +28,7 @@ Usage (GPU):
 Writes into DIR (--out, default $OUT or bench/out): conv_bench.json / .md, copy_bw.json, ncu_plan.json,
 ncu_sweep.json, ncu_best.json (its table appended to conv_bench.md), conv_fla.json.
 """
+
 import argparse
 import csv
 import json
@@ -57,6 +58,7 @@ def parse():
 
 def layout(rng, B, T, kind):
     import numpy as np
+
     if kind == "uniform":
         lengths = np.full(B, T)
         n = B * T
@@ -69,15 +71,28 @@ def layout(rng, B, T, kind):
 
 def must_move_bytes(lengths, n, B, C, isz):
     tokens = int(lengths.sum())
-    return dict(x=tokens * C * isz, state=B * (W - 1) * C * isz, weight=C * W * isz,
-                y=n * C * isz, saved=tokens * C * isz)
+    return dict(
+        x=tokens * C * isz, state=B * (W - 1) * C * isz, weight=C * W * isz, y=n * C * isz, saved=tokens * C * isz
+    )
 
 
 # Tile configs of the Nsight Compute sweep: (block_c, num_warps, requests_per_program). The first
 # of each list is the kernel's default for that batch (ConvVerifyConfig.resolve).
 NCU_SWEEP = {
-    128: [(512, 4, 1), (1024, 8, 1), (1024, 4, 1), (512, 8, 1), (2048, 8, 1), (256, 4, 1),
-          (1024, 8, 2), (512, 4, 2), (512, 8, 4), (1024, 16, 4), (512, 4, 4), (256, 2, 4)],
+    128: [
+        (512, 4, 1),
+        (1024, 8, 1),
+        (1024, 4, 1),
+        (512, 8, 1),
+        (2048, 8, 1),
+        (256, 4, 1),
+        (1024, 8, 2),
+        (512, 4, 2),
+        (512, 8, 4),
+        (1024, 16, 4),
+        (512, 4, 4),
+        (256, 2, 4),
+    ],
     32: [(512, 4, 1), (1024, 8, 1), (512, 8, 1), (256, 4, 1), (512, 4, 2)],
     8: [(128, 1, 1), (256, 2, 1), (256, 1, 1), (512, 2, 1), (64, 1, 1)],
     1: [(64, 1, 1), (256, 2, 1), (128, 1, 1), (256, 1, 1), (512, 4, 1)],
@@ -93,6 +108,7 @@ def main_ncu_sweep(args):
     import numpy as np
 
     from jaxspec.pallas import conv as pconv
+
     os.makedirs(args.out, exist_ok=True)
     T, C, dt = args.T, args.C, jnp.bfloat16
     plan, t0 = [], time.time()
@@ -118,12 +134,24 @@ def main_ncu_sweep(args):
                 try:
                     for _ in range(NCU_LAUNCHES):
                         jax.block_until_ready(fn(x, state, window, weight, qsl_j, slots))
-                except Exception as e:   # a config that fails is reported, the sweep goes on
+                except Exception as e:  # a config that fails is reported, the sweep goes on
                     print("ncu-sweep: config failed", bc, nw, rpp, repr(e)[:300], flush=True)
                     continue
-                plan.append(dict(batch=B, layout=kind, block_c=bc_r, num_warps=nw_r, rpp=rpp_r,
-                                 grid=math.ceil(B / rpp_r) * math.ceil(C / bc_r), threads=32 * nw_r,
-                                 launches=NCU_LAUNCHES, bytes=nbytes, tokens=int(lengths.sum()), N=n))
+                plan.append(
+                    dict(
+                        batch=B,
+                        layout=kind,
+                        block_c=bc_r,
+                        num_warps=nw_r,
+                        rpp=rpp_r,
+                        grid=math.ceil(B / rpp_r) * math.ceil(C / bc_r),
+                        threads=32 * nw_r,
+                        launches=NCU_LAUNCHES,
+                        bytes=nbytes,
+                        tokens=int(lengths.sum()),
+                        N=n,
+                    )
+                )
                 with open(os.path.join(args.out, "ncu_plan.json"), "w") as f:
                     json.dump(plan, f, indent=1)
     print(f"ncu-sweep: {len(plan)} configs in {time.time() - t0:.0f} s", flush=True)
@@ -152,7 +180,7 @@ def main_ncu_parse(args):
 
     out, i = [], 0
     for p in plan:
-        rs = rows[i:i + p["launches"]]
+        rs = rows[i : i + p["launches"]]
         i += p["launches"]
         durs = [num(r, "gpu__time_duration.sum") for r in rs]
         durs = [d for d in durs if d is not None]
@@ -160,11 +188,16 @@ def main_ncu_parse(args):
             continue
         us = statistics.median(durs) / 1e3
         r0 = rs[0]
-        rec = dict(p, kernel_us=round(us, 2), regs=num(r0, "launch__registers_per_thread"),
-                   grid_ncu=num(r0, "launch__grid_size"), block_ncu=num(r0, "launch__block_size"),
-                   dram_read_MB=(num(r0, "dram__bytes_read.sum") or 0) / 1e6,
-                   dram_write_MB=(num(r0, "dram__bytes_write.sum") or 0) / 1e6,
-                   warps_active_pct=num(r0, "sm__warps_active.avg.pct_of_peak_sustained_active"))
+        rec = dict(
+            p,
+            kernel_us=round(us, 2),
+            regs=num(r0, "launch__registers_per_thread"),
+            grid_ncu=num(r0, "launch__grid_size"),
+            block_ncu=num(r0, "launch__block_size"),
+            dram_read_MB=(num(r0, "dram__bytes_read.sum") or 0) / 1e6,
+            dram_write_MB=(num(r0, "dram__bytes_write.sum") or 0) / 1e6,
+            warps_active_pct=num(r0, "sm__warps_active.avg.pct_of_peak_sustained_active"),
+        )
         if bw:
             floor = p["bytes"] / bw * 1e6
             rec.update(floor_us=round(floor, 2), x_floor=round(us / floor, 2))
@@ -178,16 +211,21 @@ def main_ncu_parse(args):
         json.dump(out, f, indent=1)
     with open(os.path.join(args.out, "ncu_best.json"), "w") as f:
         json.dump(best, f, indent=1)
-    md = ["", "## Kernel time per config (Nsight Compute, gpu__time_duration, cold L2, "
-          f"median of {NCU_LAUNCHES} launches)", "",
-          "| batch | layout | block_c | warps | req/program | grid | regs | kernel us | floor us | x floor "
-          "| DRAM read MB | DRAM write MB | warps active % |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        "",
+        f"## Kernel time per config (Nsight Compute, gpu__time_duration, cold L2, median of {NCU_LAUNCHES} launches)",
+        "",
+        "| batch | layout | block_c | warps | req/program | grid | regs | kernel us | floor us | x floor "
+        "| DRAM read MB | DRAM write MB | warps active % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in out:
-        md.append(f"| {r['batch']} | {r['layout']} | {r['block_c']} | {r['num_warps']} | {r['rpp']} | {r['grid']} "
-                  f"| {r['regs']} | {r['kernel_us']:.2f} | {r.get('floor_us', float('nan')):.2f} "
-                  f"| {r.get('x_floor', float('nan')):.2f} | {r['dram_read_MB']:.1f} | {r['dram_write_MB']:.1f} "
-                  f"| {r['warps_active_pct']} |")
+        md.append(
+            f"| {r['batch']} | {r['layout']} | {r['block_c']} | {r['num_warps']} | {r['rpp']} | {r['grid']} "
+            f"| {r['regs']} | {r['kernel_us']:.2f} | {r.get('floor_us', float('nan')):.2f} "
+            f"| {r.get('x_floor', float('nan')):.2f} | {r['dram_read_MB']:.1f} | {r['dram_write_MB']:.1f} "
+            f"| {r['warps_active_pct']} |"
+        )
     text = "\n".join(md) + "\n"
     with open(os.path.join(args.out, "conv_bench.md"), "a") as f:
         f.write(text)
@@ -215,13 +253,15 @@ def main_jax(args):
 
     def timed(fn, *a, warm_s=0.2):
         """Median wall time (us) of fn(*a) with the sync; fn's last output feeds its last argument."""
+
         def call(cur):
             out = fn(*a[:-1], cur)
             jax.block_until_ready(out)
             return out, (out[-1] if isinstance(out, tuple) else out)
-        _, cur = call(a[-1])                    # compile
+
+        _, cur = call(a[-1])  # compile
         t_end = time.perf_counter() + (warm_s if not args.smoke else 0)
-        while time.perf_counter() < t_end:      # warm-up: clocks up, caches and allocator settled
+        while time.perf_counter() < t_end:  # warm-up: clocks up, caches and allocator settled
             _, cur = call(cur)
         ts = []
         for _ in range(reps):
@@ -260,6 +300,7 @@ def main_jax(args):
             for k in range(K):
                 y, window = call(xs[k % R], state, window, weight, qsl, slots[k % R])
             return y, window
+
         return jax.jit(chain, donate_argnums=5)
 
     def kernel_call(cfg):
@@ -276,24 +317,38 @@ def main_jax(args):
     results = []
 
     def dump():
-        summary = dict(device=dev.device_kind, copy_TB_per_s=round(bw / 1e12, 3), copy_source=bw_src,
-                       copy_all={k: round(v / 1e12, 3) for k, v in copies.items()},
-                       dispatch_overhead_us=round(overhead_us, 1), K=K, reps=reps, results=results)
+        summary = dict(
+            device=dev.device_kind,
+            copy_TB_per_s=round(bw / 1e12, 3),
+            copy_source=bw_src,
+            copy_all={k: round(v / 1e12, 3) for k, v in copies.items()},
+            dispatch_overhead_us=round(overhead_us, 1),
+            K=K,
+            reps=reps,
+            results=results,
+        )
         with open(os.path.join(args.out, "conv_bench.json"), "w") as f:
             json.dump(summary, f, indent=1)
-        md = [f"# conv verify kernel, {dev.device_kind}, C={C}, bf16, W={W}, T={T}", "",
-              "Copy bandwidth (same run, 1 GiB read+write, best of: "
-              + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items()) + f" TB/s): {bw / 1e12:.3f} TB/s. "
-              f"In-model time per call = (chain of {K} calls in one jit, median of {reps}, minus "
-              f"{overhead_us:.1f} us dispatch) / {K}; it includes launch gaps.", "",
-              "| batch | layout | tokens | N | config (block_c/warps/req per program) | MB moved | floor us "
-              "| kernel us (chain) | x floor | frac copy BW | XLA ref us | speedup | max abs err | window ok |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        md = [
+            f"# conv verify kernel, {dev.device_kind}, C={C}, bf16, W={W}, T={T}",
+            "",
+            "Copy bandwidth (same run, 1 GiB read+write, best of: "
+            + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copies.items())
+            + f" TB/s): {bw / 1e12:.3f} TB/s. "
+            f"In-model time per call = (chain of {K} calls in one jit, median of {reps}, minus "
+            f"{overhead_us:.1f} us dispatch) / {K}; it includes launch gaps.",
+            "",
+            "| batch | layout | tokens | N | config (block_c/warps/req per program) | MB moved | floor us "
+            "| kernel us (chain) | x floor | frac copy BW | XLA ref us | speedup | max abs err | window ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(results, key=lambda r: (r["batch"], r["layout"] != "uniform", r["config"])):
-            md.append(f"| {r['batch']} | {r['layout']} | {r['tokens']} | {r['N']} | {r['config']} "
-                      f"| {r['bytes'] / 1e6:.2f} | {r['floor_us']:.2f} | {r['kernel_us']:.2f} | {r['x_floor']:.2f} "
-                      f"| {r['frac_copy_bw']:.2f} | {r['xla_ref_us']:.2f} | {r['speedup_vs_xla']:.1f}x "
-                      f"| {r['max_abs_err_vs_ref']:.3g} | {r['window_bit_equal']} |")
+            md.append(
+                f"| {r['batch']} | {r['layout']} | {r['tokens']} | {r['N']} | {r['config']} "
+                f"| {r['bytes'] / 1e6:.2f} | {r['floor_us']:.2f} | {r['kernel_us']:.2f} | {r['x_floor']:.2f} "
+                f"| {r['frac_copy_bw']:.2f} | {r['xla_ref_us']:.2f} | {r['speedup_vs_xla']:.1f}x "
+                f"| {r['max_abs_err_vs_ref']:.3g} | {r['window_bit_equal']} |"
+            )
         text = "\n".join(md) + "\n"
         with open(os.path.join(args.out, "conv_bench.md"), "w") as f:
             f.write(text)
@@ -316,8 +371,11 @@ def main_jax(args):
             cfgs = [pconv.ConvVerifyConfig()]
             b = best.get(f"{B}/{kind}") or best.get(f"{B}/uniform")
             if b:
-                cfgs.append(pconv.ConvVerifyConfig(block_c=b["block_c"], num_warps=b["num_warps"],
-                                                   requests_per_program=b["rpp"]))
+                cfgs.append(
+                    pconv.ConvVerifyConfig(
+                        block_c=b["block_c"], num_warps=b["num_warps"], requests_per_program=b["rpp"]
+                    )
+                )
             seen = set()
             for cfg in cfgs:
                 res = cfg.resolve(B, C, isz, T)
@@ -330,12 +388,25 @@ def main_jax(args):
                 win_ok = bool(jnp.all(w_k == w_r))
                 del y_k, w_k
                 k_us = per_call_us(kernel_call(cfg), R, data, window)
-                row = dict(batch=B, layout=kind, tokens=int(lengths.sum()), N=n, C=C, T=T,
-                           config="/".join(map(str, res)) + (" (default)" if cfg == cfgs[0] else " (ncu best)"),
-                           bytes=nbytes, floor_us=round(floor_us, 2), kernel_us=round(k_us, 2),
-                           xla_ref_us=round(r_us, 2), frac_copy_bw=round(floor_us / max(k_us, 1e-9), 3),
-                           x_floor=round(k_us / floor_us, 2), speedup_vs_xla=round(r_us / max(k_us, 1e-9), 2),
-                           max_abs_err_vs_ref=err, window_bit_equal=win_ok, input_sets=R)
+                row = dict(
+                    batch=B,
+                    layout=kind,
+                    tokens=int(lengths.sum()),
+                    N=n,
+                    C=C,
+                    T=T,
+                    config="/".join(map(str, res)) + (" (default)" if cfg == cfgs[0] else " (ncu best)"),
+                    bytes=nbytes,
+                    floor_us=round(floor_us, 2),
+                    kernel_us=round(k_us, 2),
+                    xla_ref_us=round(r_us, 2),
+                    frac_copy_bw=round(floor_us / max(k_us, 1e-9), 3),
+                    x_floor=round(k_us / floor_us, 2),
+                    speedup_vs_xla=round(r_us / max(k_us, 1e-9), 2),
+                    max_abs_err_vs_ref=err,
+                    window_bit_equal=win_ok,
+                    input_sets=R,
+                )
                 results.append(row)
                 print(json.dumps(row), flush=True)
             del xs, state, window, data, y_r, w_r
@@ -366,13 +437,27 @@ def main_fla(args):
             ci = prepare_chunk_indices(cu, 64)
             for fs in (False, True):
                 try:
-                    fn = lambda: causal_conv1d_fwd(x, w, None, None, initial_state=h0, output_final_state=fs,
-                                                   activation="silu", cu_seqlens=cu, chunk_indices=ci)
+                    fn = lambda: causal_conv1d_fwd(
+                        x,
+                        w,
+                        None,
+                        None,
+                        initial_state=h0,
+                        output_final_state=fs,
+                        activation="silu",
+                        cu_seqlens=cu,
+                        chunk_indices=ci,
+                    )
                     us = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
                     mv = must_move_bytes(lengths, int(lengths.sum()), B, C, 2)
                     nbytes = mv["x"] + mv["state"] + mv["y"] + (B * (W - 1) * C * 2 if fs else 0)
-                    row = dict(kernel="fla causal_conv1d_fwd" + (" + final state" if fs else ""), batch=B,
-                               layout=kind, us=round(us, 2), floor_us=round(nbytes / bw * 1e6, 2))
+                    row = dict(
+                        kernel="fla causal_conv1d_fwd" + (" + final state" if fs else ""),
+                        batch=B,
+                        layout=kind,
+                        us=round(us, 2),
+                        floor_us=round(nbytes / bw * 1e6, 2),
+                    )
                 except Exception as e:  # an anchor only: report and go on
                     row = dict(kernel="fla causal_conv1d_fwd", batch=B, layout=kind, error=repr(e)[:300])
                 rows.append(row)

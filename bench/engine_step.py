@@ -24,6 +24,7 @@ Usage:
   python3 bench/engine_step.py --smoke      (CPU, random tiny models, tiny sizes)
 Writes DIR/engine_step.md and DIR/engine_step.json (DIR = --out).
 """
+
 import argparse
 import collections
 import functools
@@ -112,54 +113,86 @@ def main(args):
         return time.time() - t_start > args.budget_s
 
     def dump():
-        summary = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__, smoke=args.smoke,
-                       models=model_desc, args=vars(args), planning=plan_rows, generate=gen_rows, steps=step_rows,
-                       notes=notes, elapsed_s=round(time.time() - t_start, 1))
+        summary = dict(
+            device=dev.device_kind,
+            backend=jax.default_backend(),
+            jax=jax.__version__,
+            smoke=args.smoke,
+            models=model_desc,
+            args=vars(args),
+            planning=plan_rows,
+            generate=gen_rows,
+            steps=step_rows,
+            notes=notes,
+            elapsed_s=round(time.time() - t_start, 1),
+        )
         with open(os.path.join(args.out, "engine_step.json"), "w") as f:
             json.dump(summary, f, indent=1)
         fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
-        lines = [f"# engine step, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-                 + (" — SMOKE (CPU, random tiny models: no meaning as timings)" if args.smoke else ""), ""]
+        lines = [
+            f"# engine step, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+            + (" — SMOKE (CPU, random tiny models: no meaning as timings)" if args.smoke else ""),
+            "",
+        ]
         if plan_rows:
-            lines += [f"## (a) planning overhead per step (block {args.block}; µs)", "",
-                      "host: choose_budget + tier_for on host survivals; _choose_tier: the engine's host path "
-                      "(reads the lagged survival from the device; cold, and after copy_to_host_async as the engine "
-                      "starts it at dispatch); switch host: building the DevicePlan (its two "
-                      "small host arrays travel with the step call). "
-                      "device: plan_lengths + step_layout per tier (scan: device time per step; call: one "
-                      "synchronised jitted call); device tier: the switch's on-device tier choice (scan).", "",
-                      "| batch | tiers | host choose_budget | host _choose_tier cold | copied | switch host "
-                      "| device tier (scan) | device plan+layout per tier (scan) | same, one call each |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"## (a) planning overhead per step (block {args.block}; µs)",
+                "",
+                "host: choose_budget + tier_for on host survivals; _choose_tier: the engine's host path "
+                "(reads the lagged survival from the device; cold, and after copy_to_host_async as the engine "
+                "starts it at dispatch); switch host: building the DevicePlan (its two "
+                "small host arrays travel with the step call). "
+                "device: plan_lengths + step_layout per tier (scan: device time per step; call: one "
+                "synchronised jitted call); device tier: the switch's on-device tier choice (scan).",
+                "",
+                "| batch | tiers | host choose_budget | host _choose_tier cold | copied | switch host "
+                "| device tier (scan) | device plan+layout per tier (scan) | same, one call each |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in plan_rows:
-                lines.append(f"| {r['batch']} | {r['tiers']} | {fmt(r['host_choose_budget_us'])} "
-                             f"| {fmt(r['host_choose_tier_us'])} | {fmt(r['host_choose_tier_copied_us'])} "
-                             f"| {fmt(r['switch_host_us'])} "
-                             f"| {fmt(r['device_tier_scan_us'], 2)} "
-                             f"| {', '.join(fmt(v, 2) for v in r['device_scan_us'])} "
-                             f"| {', '.join(fmt(v) for v in r['device_call_us'])} |")
+                lines.append(
+                    f"| {r['batch']} | {r['tiers']} | {fmt(r['host_choose_budget_us'])} "
+                    f"| {fmt(r['host_choose_tier_us'])} | {fmt(r['host_choose_tier_copied_us'])} "
+                    f"| {fmt(r['switch_host_us'])} "
+                    f"| {fmt(r['device_tier_scan_us'], 2)} "
+                    f"| {', '.join(fmt(v, 2) for v in r['device_scan_us'])} "
+                    f"| {', '.join(fmt(v) for v in r['device_call_us'])} |"
+                )
         if gen_rows:
-            lines += ["", f"## (b) generate: {args.max_new_tokens} new tokens per request, prompt {args.prompt_len} "
-                      f"tokens, temperature {args.temperature}", "",
-                      "| batch | mode | dispatch | tokens/s | step ms | accept length | steps | tiers (tokens: steps) "
-                      "| wall s | compiled in run |", "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"## (b) generate: {args.max_new_tokens} new tokens per request, prompt {args.prompt_len} "
+                f"tokens, temperature {args.temperature}",
+                "",
+                "| batch | mode | dispatch | tokens/s | step ms | accept length | steps | tiers (tokens: steps) "
+                "| wall s | compiled in run |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in gen_rows:
                 tiers = ", ".join(f"{k}: {v}" for k, v in sorted(r["tier_counts"].items()))
-                lines.append(f"| {r['batch']} | {r['mode']} | {r['dispatch']} | {fmt(r['tokens_per_s'], 0)} "
-                             f"| {fmt(r['step_ms'], 3)} | {fmt(r['accept_length'], 2)} | {r['steps']} | {tiers} "
-                             f"| {fmt(r['wall_s'], 2)} | {r['compiled_in_run']} |")
+                lines.append(
+                    f"| {r['batch']} | {r['mode']} | {r['dispatch']} | {fmt(r['tokens_per_s'], 0)} "
+                    f"| {fmt(r['step_ms'], 3)} | {fmt(r['accept_length'], 2)} | {r['steps']} | {tiers} "
+                    f"| {fmt(r['wall_s'], 2)} | {r['compiled_in_run']} |"
+                )
         if step_rows:
-            lines += ["", "## (c) compact step by tier: host (one jitted step per tier) vs switch (one step, "
-                      "lax.switch, tier forced through the DevicePlan); ms per synchronised call; GPU busy = "
-                      "the kernels' summed durations a step (profiler trace)", "",
-                      "| batch | tier tokens | host ms | host GPU busy ms | distinct kernels | switch ms "
-                      "| switch GPU busy ms | switch / host | switch ran tier |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                "## (c) compact step by tier: host (one jitted step per tier) vs switch (one step, "
+                "lax.switch, tier forced through the DevicePlan); ms per synchronised call; GPU busy = "
+                "the kernels' summed durations a step (profiler trace)",
+                "",
+                "| batch | tier tokens | host ms | host GPU busy ms | distinct kernels | switch ms "
+                "| switch GPU busy ms | switch / host | switch ran tier |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in step_rows:
-                lines.append(f"| {r['batch']} | {r['tier']} | {fmt(r['host_ms'], 3)} | {fmt(r['host_busy_ms'], 3)} "
-                             f"| {r['host_kernels'] or '–'} | {fmt(r['switch_ms'], 3)} "
-                             f"| {fmt(r['switch_busy_ms'], 3)} | {fmt(r['switch_ms'] / r['host_ms'], 2)} "
-                             f"| {r['switch_tier']} |")
+                lines.append(
+                    f"| {r['batch']} | {r['tier']} | {fmt(r['host_ms'], 3)} | {fmt(r['host_busy_ms'], 3)} "
+                    f"| {r['host_kernels'] or '–'} | {fmt(r['switch_ms'], 3)} "
+                    f"| {fmt(r['switch_busy_ms'], 3)} | {fmt(r['switch_ms'] / r['host_ms'], 2)} "
+                    f"| {r['switch_tier']} |"
+                )
         if notes:
             lines += [""] + [f"- {n}" for n in notes]
         with open(os.path.join(args.out, "engine_step.md"), "w") as f:
@@ -177,28 +210,35 @@ def main(args):
 
         def survival_np():
             return np.cumprod(rng.uniform(0.3, 1.0, (b, d)), axis=1).astype(np.float32)
+
         host_surv = [survival_np() for _ in range(32)]
 
         def host_choose(s):
             n = planner.choose_budget(s, table, admissible)
             return layout.tier_for(b + n, tiers)
+
         host_us = timed_host(host_choose, host_surv * (n_items // 32 + 1))
 
         # a stand-in for the engine with the attributes its host planning reads
-        fake = types.SimpleNamespace(tier_tokens=tiers, window=args.block, cost_table=table, _steps_run=10**9,
-                                     _costs=None, spec=SpecConfig(verify_mode="compact", num_slots=b,
-                                                                  num_tiers=args.num_tiers))
+        fake = types.SimpleNamespace(
+            tier_tokens=tiers,
+            window=args.block,
+            cost_table=table,
+            _steps_run=10**9,
+            _costs=None,
+            spec=SpecConfig(verify_mode="compact", num_slots=b, num_tiers=args.num_tiers),
+        )
         fake._plans = functools.partial(Engine._plans, fake)
         reqs = [object() for _ in range(b)]
         dev_surv = [[jax.device_put(survival_np()) for _ in range(n_items)] for _ in range(4)]
         jax.block_until_ready(dev_surv)
         choose = functools.partial(Engine._choose_tier, fake, reqs)
         choose_us = min(timed_host(lambda s: choose((reqs, s)), dev_surv[i], reps=1) for i in (0, 1))
-        for s in dev_surv[3]:                      # as the engine does when it dispatches a step
+        for s in dev_surv[3]:  # as the engine does when it dispatches a step
             s.copy_to_host_async()
         time.sleep(0.1)
         choose_async_us = timed_host(lambda s: choose((reqs, s)), dev_surv[3], reps=1)
-        Engine._device_plan(fake, reqs, (reqs, dev_surv[2][0]))                 # builds the cost matrix once
+        Engine._device_plan(fake, reqs, (reqs, dev_surv[2][0]))  # builds the cost matrix once
         switch_host_us = timed_host(lambda s: Engine._device_plan(fake, reqs, (reqs, s)), dev_surv[2], reps=3)
 
         slots = jnp.arange(1, b + 1, dtype=jnp.int32)
@@ -213,8 +253,10 @@ def main(args):
         def scan_us(step, carry0):
             @jax.jit
             def run(carry):
-                return jax.lax.scan(lambda c, i: (step(c, surv_stack[i % 16]), None), carry,
-                                    jnp.arange(args.scan_steps))[0]
+                return jax.lax.scan(
+                    lambda c, i: (step(c, surv_stack[i % 16]), None), carry, jnp.arange(args.scan_steps)
+                )[0]
+
             jax.block_until_ready(run(carry0))
             ts = []
             for _ in range(5):
@@ -225,29 +267,49 @@ def main(args):
 
         scan, call = [], []
         for tier in tiers:
+
             def step(c, s, tier=tier):
                 tokens, qsl, _ = plan_layout(s, tier)
                 return c + tokens[0] + qsl[-1]
+
             scan.append(scan_us(step, jnp.zeros((), jnp.int32)))
             f = jax.jit(functools.partial(plan_layout, tier=tier))
             jax.block_until_ready(f(surv_stack[0]))
 
             def one(i, f=f):
                 jax.block_until_ready(f(surv_stack[i % 16]))
+
             call.append(timed_host(one, range(n_items), reps=3))
-        costs = jnp.asarray(np.array([[1.0] * len(tiers)] + [[table.step_time(n, n + min(t - n, n * d)) if t >= n
-                                                             else 1.0 for t in tiers] for n in range(1, b + 1)],
-                                     np.float32))
+        costs = jnp.asarray(
+            np.array(
+                [[1.0] * len(tiers)]
+                + [
+                    [table.step_time(n, n + min(t - n, n * d)) if t >= n else 1.0 for t in tiers]
+                    for n in range(1, b + 1)
+                ],
+                np.float32,
+            )
+        )
         active = slots > 0
 
         def dev_tier(c, s):
             plan = DevicePlan(plan=jnp.asarray(True), survival=s, same=active, costs=costs)
             return c + engine_mod._device_tier(plan, active, tiers, d)
+
         tier_us = scan_us(dev_tier, jnp.zeros((), jnp.int32))
-        plan_rows.append(dict(batch=b, tiers=list(tiers), host_choose_budget_us=host_us, host_choose_tier_us=choose_us,
-                              host_choose_tier_copied_us=choose_async_us,
-                              switch_host_us=switch_host_us, device_scan_us=scan, device_call_us=call,
-                              device_tier_scan_us=tier_us))
+        plan_rows.append(
+            dict(
+                batch=b,
+                tiers=list(tiers),
+                host_choose_budget_us=host_us,
+                host_choose_tier_us=choose_us,
+                host_choose_tier_copied_us=choose_async_us,
+                switch_host_us=switch_host_us,
+                device_scan_us=scan,
+                device_call_us=call,
+                device_tier_scan_us=tier_us,
+            )
+        )
         print(dump()[-1], flush=True)
         del dev_surv
 
@@ -260,8 +322,11 @@ def main(args):
         raise SystemExit("engine_step: give both --target and --draft, or neither")
     if not args.target:
         tmp = tempfile.mkdtemp(prefix="engine_step_")
-        small = (dict(hidden_size=32, num_hidden_layers=2, full_attention_interval=2, head_dim=16, intermediate_size=64)
-                 if args.smoke else {})
+        small = (
+            dict(hidden_size=32, num_hidden_layers=2, full_attention_interval=2, head_dim=16, intermediate_size=64)
+            if args.smoke
+            else {}
+        )
         cfg = train.tiny_target_config(**small)
         target = target_mod.init_target(cfg, jax.random.PRNGKey(args.seed))
         args.target, args.draft = os.path.join(tmp, "target"), os.path.join(tmp, "draft")
@@ -271,9 +336,16 @@ def main(args):
         notes.append("random-weight tiny models (no --target/--draft): acceptance and tier choice are meaningless")
     target = target_mod.load_target(args.target, jnp.dtype(args.dtype))
     draft = dflash.load_draft(args.draft, target)
-    model_desc.update(target=args.target, draft=args.draft, dtype=args.dtype, vocab=target.config.vocab_size,
-                      target_layers=target.config.num_hidden_layers, hidden=target.config.hidden_size,
-                      block=draft.config.block_size, draft_layers=draft.config.num_hidden_layers)
+    model_desc.update(
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        vocab=target.config.vocab_size,
+        target_layers=target.config.num_hidden_layers,
+        hidden=target.config.hidden_size,
+        block=draft.config.block_size,
+        draft_layers=draft.config.num_hidden_layers,
+    )
     block = draft.config.block_size
 
     _, held_files = train.corpus_files()
@@ -281,39 +353,55 @@ def main(args):
     prompts = []
     while len(prompts) < max(int(x) for x in args.batches.split(",")):
         start = int(rng.integers(0, len(held) - args.prompt_len))
-        window = held[start:start + args.prompt_len]
+        window = held[start : start + args.prompt_len]
         if not (window == train.EOS_ID).any():
             prompts.append([int(t) for t in window])
     max_len = -(-(args.prompt_len + args.max_new_tokens + 2 * block + 8) // 64) * 64
-    width = min(max(16, 1 << (args.prompt_len - 1).bit_length()), max_len)   # Engine._bucket: prefill shapes shared
+    width = min(max(16, 1 << (args.prompt_len - 1).bit_length()), max_len)  # Engine._bucket: prefill shapes shared
     max_len = max(max_len, width + (max(args.profile_repeats, args.step_reps) + 2) * block)
 
     def spec(mode, b):
         return SpecConfig(verify_mode=mode, num_slots=b, max_len=max_len, num_tiers=args.num_tiers)
 
     def gen(engine, b):
-        return engine.generate(prompts[:b], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               seed=list(range(b)), eos_token_id=[])
+        return engine.generate(
+            prompts[:b],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=list(range(b)),
+            eos_token_id=[],
+        )
 
     def compile_tiers(engine, b):
         """Compile the step of every tier the host may pick (host dispatch), on a throwaway state."""
         slots = jnp.arange(1, b + 1, dtype=jnp.int32)
         for tier in engine.tier_tokens:
-            out = engine._step(engine._init_state(), engine.target, engine.proposer, slots, None, np.bool_(False),
-                               greedy=args.temperature == 0, tier=tier)
+            out = engine._step(
+                engine._init_state(),
+                engine.target,
+                engine.proposer,
+                slots,
+                None,
+                np.bool_(False),
+                greedy=args.temperature == 0,
+                tier=tier,
+            )
             jax.block_until_ready(out[1])
 
     def run_generate(b, mode, dispatch):
-        engine = Engine(target, None if mode == "none" else draft, spec(mode, b), cost_table=tables.get(b),
-                        tier_dispatch=dispatch)
+        engine = Engine(
+            target, None if mode == "none" else draft, spec(mode, b), cost_table=tables.get(b), tier_dispatch=dispatch
+        )
         if mode in ("compact", "cap-accept") and b not in tables:
             # compact's verify costs (cap-accept shares compact's plans: same table, same tokens)
             prof = engine if mode == "compact" else Engine(target, draft, spec("compact", b))
             t = time.perf_counter()
             tables[b] = engine.cost_table = prof.profile([b], repeats=args.profile_repeats, prompt_len=width)
-            notes.append(f"batch {b}: cost table profiled (compact engine, {prof.tier_dispatch} dispatch) in "
-                         f"{time.perf_counter() - t:.1f} s: "
-                         + ", ".join(f"{k[1]} tok {v * 1e3:.3f} ms" for k, v in sorted(tables[b].entries.items())))
+            notes.append(
+                f"batch {b}: cost table profiled (compact engine, {prof.tier_dispatch} dispatch) in "
+                f"{time.perf_counter() - t:.1f} s: "
+                + ", ".join(f"{k[1]} tok {v * 1e3:.3f} ms" for k, v in sorted(tables[b].entries.items()))
+            )
         warmup = engine.spec.warmup_refits * engine.spec.refit_interval if mode in ("cap-accept", "compact") else 0
         t = time.perf_counter()
         gen(engine, b)
@@ -331,12 +419,21 @@ def main(args):
         tokens = sum(len(r.tokens) for r in results)
         req_steps = sum(r.stats["steps"] for r in results)
         committed = sum(a + 1 for r in results for a in r.stats["accepted"])
-        row = dict(batch=b, mode=mode, dispatch=dispatch if mode in ("cap-accept", "compact") else "–",
-                   tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, steps=steps, step_ms=wall / steps * 1e3,
-                   accept_length=committed / req_steps if req_steps else None,
-                   tier_counts={int(k): v for k, v in (engine.tier_counts - counts).items()},
-                   compiled_in_run=engine._step._cache_size() != compiled, warmup_s=warm_s,
-                   past_estimator_warmup=engine._steps_run - steps >= warmup)
+        row = dict(
+            batch=b,
+            mode=mode,
+            dispatch=dispatch if mode in ("cap-accept", "compact") else "–",
+            tokens=tokens,
+            wall_s=wall,
+            tokens_per_s=tokens / wall,
+            steps=steps,
+            step_ms=wall / steps * 1e3,
+            accept_length=committed / req_steps if req_steps else None,
+            tier_counts={int(k): v for k, v in (engine.tier_counts - counts).items()},
+            compiled_in_run=engine._step._cache_size() != compiled,
+            warmup_s=warm_s,
+            past_estimator_warmup=engine._steps_run - steps >= warmup,
+        )
         gen_rows.append(row)
         print(dump()[-1], flush=True)
         return engine
@@ -350,9 +447,16 @@ def main(args):
         def fresh(engine):
             engine.state = engine._init_state()
             toks = jnp.asarray([p + [0] * (width - len(p)) for p in prompts[:b]], jnp.int32)
-            engine.state, _ = engine._prefill(engine.state, engine.target, engine.proposer, toks,
-                                              jnp.full((b,), args.prompt_len, jnp.int32), slots,
-                                              jnp.zeros((b, 2), jnp.uint32), SamplingParams.create(b))
+            engine.state, _ = engine._prefill(
+                engine.state,
+                engine.target,
+                engine.proposer,
+                toks,
+                jnp.full((b,), args.prompt_len, jnp.int32),
+                slots,
+                jnp.zeros((b, 2), jnp.uint32),
+                SamplingParams.create(b),
+            )
 
         def time_calls(engine, plan, tier):
             """(median ms a synchronised step, tier the step ran, GPU busy ms a step, distinct kernels
@@ -360,8 +464,9 @@ def main(args):
             fresh(engine)
 
             def step():
-                engine.state, emitted, *_, used = engine._step(engine.state, engine.target, engine.proposer, slots,
-                                                               plan, np.bool_(False), greedy=greedy, tier=tier)
+                engine.state, emitted, *_, used = engine._step(
+                    engine.state, engine.target, engine.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier
+                )
                 return emitted, used
 
             ts = []
@@ -370,7 +475,7 @@ def main(args):
                 emitted, used = step()
                 jax.block_until_ready(emitted)
                 ts.append(time.perf_counter() - t)
-            fresh(engine)                       # the state was donated call by call: step() threads it
+            fresh(engine)  # the state was donated call by call: step() threads it
             gpu = benchutil.gpu_kernel_times(step) if on_gpu else {}
             busy_ms = gpu["busy_us"] / 1e3 if gpu else None
             return statistics.median(ts[1:]) * 1e3, int(used), busy_ms, len(gpu["kernels"]) if gpu else None
@@ -380,13 +485,26 @@ def main(args):
                 break
             costs = np.full((b + 1, len(tiers)), 1e9, np.float32)
             costs[:, j] = 1e-9
-            plan = DevicePlan(plan=np.asarray(True), survival=jnp.ones((b, block - 1), jnp.float32),
-                              same=np.ones((b,), bool), costs=jnp.asarray(costs))
+            plan = DevicePlan(
+                plan=np.asarray(True),
+                survival=jnp.ones((b, block - 1), jnp.float32),
+                same=np.ones((b,), bool),
+                costs=jnp.asarray(costs),
+            )
             host_ms, _, host_busy_ms, host_kernels = time_calls(host_engine, None, tier)
             switch_ms, used, switch_busy_ms, _ = time_calls(switch_engine, plan, None)
-            step_rows.append(dict(batch=b, tier=tier, host_ms=host_ms, switch_ms=switch_ms, switch_tier=used,
-                                  host_busy_ms=host_busy_ms, switch_busy_ms=switch_busy_ms,
-                                  host_kernels=host_kernels))
+            step_rows.append(
+                dict(
+                    batch=b,
+                    tier=tier,
+                    host_ms=host_ms,
+                    switch_ms=switch_ms,
+                    switch_tier=used,
+                    host_busy_ms=host_busy_ms,
+                    switch_busy_ms=switch_busy_ms,
+                    host_kernels=host_kernels,
+                )
+            )
             print(dump()[-1], flush=True)
         host_engine.state, switch_engine.state = host_engine._init_state(), switch_engine._init_state()
 
@@ -400,7 +518,7 @@ def main(args):
         for b in batches:
             for mode in (m for m in modes if m in pass_modes):
                 engines = {}
-                for dispatch in (dispatches if mode == "compact" else ["host"]):
+                for dispatch in dispatches if mode == "compact" else ["host"]:
                     if over_budget():
                         break
                     engines[dispatch] = run_generate(b, mode, dispatch)

@@ -39,6 +39,7 @@ Usage (GPU machine):
   python3 bench/estimator_step.py --smoke          (CPU, tiny shapes: checks the script)
 Writes DIR/estimator_step.md and DIR/estimator_step.json (DIR = --out, default $OUT or bench/out).
 """
+
 import argparse
 import functools
 import json
@@ -66,8 +67,11 @@ def parse(argv=None):
     ap.add_argument("--rotate-mib", type=float, default=256, help="rotate input sets up to this many MiB")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--observe-impls", default="ref,pallas",
-                    help="observe implementations: ref (jnp, eight kernels), pallas (one launch)")
+    ap.add_argument(
+        "--observe-impls",
+        default="ref,pallas",
+        help="observe implementations: ref (jnp, eight kernels), pallas (one launch)",
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -82,6 +86,7 @@ def main(args):
     benchutil.setup_jax(args.smoke)
     import jax
     import jax.numpy as jnp
+
     from jaxspec.ops import sampling
     from jaxspec.spec import estimator as est
 
@@ -108,7 +113,9 @@ def main(args):
         def run(carry, xs):
             def body(c, i):
                 return step_fn(c, jax.tree_util.tree_map(lambda x: x[i % n_sets], xs)), None
+
             return jax.lax.scan(body, carry, jnp.arange(steps), unroll=args.unroll)[0]
+
         return timed(run, carry, xs) / steps
 
     def sets_for(nbytes):
@@ -126,26 +133,43 @@ def main(args):
         return verified.astype(jnp.int32), accepted.astype(jnp.int32)
 
     def dump():
-        summary = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                       copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src,
-                       vocab=args.vocab, small_vocab=args.small_vocab, steps=steps,
-                       refit_interval=args.refit_interval, unroll=args.unroll, smoke=args.smoke, results=results)
+        summary = dict(
+            device=dev.device_kind,
+            backend=jax.default_backend(),
+            jax=jax.__version__,
+            copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()},
+            floor_bandwidth=bw_src,
+            vocab=args.vocab,
+            small_vocab=args.small_vocab,
+            steps=steps,
+            refit_interval=args.refit_interval,
+            unroll=args.unroll,
+            smoke=args.smoke,
+            results=results,
+        )
         with open(os.path.join(args.out, "estimator_step.json"), "w") as f:
             json.dump(summary, f, indent=1)
         fmt = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"
-        lines = [f"# estimator per-step work, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-                 + (" — SMOKE (CPU, tiny shapes: no meaning as timings)" if args.smoke else ""), "",
-                 f"lax.scan of {steps} steps unrolled {args.unroll} per iteration, state carried, median of {args.reps} synchronised calls / steps. "
-                 f"plain: no refit; amortised: refit every {args.refit_interval} steps. floor = logits bytes "
-                 f"read once / {bw_src} {bw / 1e12:.3f} TB/s (same run). Goal: predict+observe <= 10 µs/step.", "",
-                 "| batch | P | case | vocab | logits MB/step | µs/step plain | µs/step amortised | floor µs "
-                 "| floor/plain | sets |",
-                 "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = [
+            f"# estimator per-step work, {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+            + (" — SMOKE (CPU, tiny shapes: no meaning as timings)" if args.smoke else ""),
+            "",
+            f"lax.scan of {steps} steps unrolled {args.unroll} per iteration, state carried, "
+            f"median of {args.reps} synchronised calls / steps. "
+            f"plain: no refit; amortised: refit every {args.refit_interval} steps. floor = logits bytes "
+            f"read once / {bw_src} {bw / 1e12:.3f} TB/s (same run). Goal: predict+observe <= 10 µs/step.",
+            "",
+            "| batch | P | case | vocab | logits MB/step | µs/step plain | µs/step amortised | floor µs "
+            "| floor/plain | sets |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in results:
             mb = r["batch"] * r["positions"] * r["vocab"] * 2 / 1e6 if r["vocab"] else None
-            lines.append(f"| {r['batch']} | {r['positions']} | {r['case']} | {r['vocab'] or '–'} | {fmt(mb, 2)} "
-                         f"| {fmt(r['us_plain'], 2)} | {fmt(r['us_amortised'], 2)} | {fmt(r['floor_us'], 2)} "
-                         f"| {fmt(r['floor_us'] / r['us_plain'] if r['floor_us'] else None, 2)} | {r['sets']} |")
+            lines.append(
+                f"| {r['batch']} | {r['positions']} | {r['case']} | {r['vocab'] or '–'} | {fmt(mb, 2)} "
+                f"| {fmt(r['us_plain'], 2)} | {fmt(r['us_amortised'], 2)} | {fmt(r['floor_us'], 2)} "
+                f"| {fmt(r['floor_us'] / r['us_plain'] if r['floor_us'] else None, 2)} | {r['sets']} |"
+            )
         with open(os.path.join(args.out, "estimator_step.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
         return lines
@@ -167,8 +191,13 @@ def main(args):
                 break
             key = jax.random.key(b * 100 + p)
             # loop overhead
-            add(batch=b, positions=p, case="loop", sets=1,
-                us_plain=scan_us(lambda c, x: c + x, jnp.zeros((), jnp.float32), jnp.ones((1,), jnp.float32)))
+            add(
+                batch=b,
+                positions=p,
+                case="loop",
+                sets=1,
+                us_plain=scan_us(lambda c, x: c + x, jnp.zeros((), jnp.float32), jnp.ones((1,), jnp.float32)),
+            )
 
             # predict + observe from features (the estimator math alone)
             n_sets = sets_for(b * p * 4)
@@ -176,19 +205,34 @@ def main(args):
             verified, accepted = labels(key, n_sets, b, p)
 
             for obs_impl in args.observe_impls.split(","):
+
                 def po(state, xs, obs_impl=obs_impl):
                     xk, ver, acc = xs
                     _, s = est.predict(state, xk)
                     state = est.observe(state, xk, ver, acc, impl=obs_impl)
                     # the survival is an output of the real step: keep it live
                     return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
-                times = {interval: scan_us(po, est_state(p, interval), (x, verified, accepted))
-                         for interval in (10**9, args.refit_interval, 1)}
+
+                times = {
+                    interval: scan_us(po, est_state(p, interval), (x, verified, accepted))
+                    for interval in (10**9, args.refit_interval, 1)
+                }
                 tag = "" if obs_impl == "ref" else f" (observe {obs_impl})"
-                add(batch=b, positions=p, case=f"predict+observe{tag}", sets=n_sets, us_plain=times[10**9],
-                    us_amortised=times[args.refit_interval])
-                add(batch=b, positions=p, case=f"predict+observe+refit (every step){tag}", sets=n_sets,
-                    us_plain=times[1])
+                add(
+                    batch=b,
+                    positions=p,
+                    case=f"predict+observe{tag}",
+                    sets=n_sets,
+                    us_plain=times[10**9],
+                    us_amortised=times[args.refit_interval],
+                )
+                add(
+                    batch=b,
+                    positions=p,
+                    case=f"predict+observe+refit (every step){tag}",
+                    sets=n_sets,
+                    us_plain=times[1],
+                )
 
             # features over the vocabulary, alone and with the estimator
             for vocab in (args.vocab, args.small_vocab):
@@ -210,25 +254,58 @@ def main(args):
                     _, s = est.predict(state, xk)
                     state = est.observe(state, xk, ver, acc)
                     return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
+
                 if vocab == args.vocab:
-                    add(batch=b, positions=p, case="features", vocab=vocab, sets=n_sets,
-                        floor_us=floor_us, us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits))
-                times = {interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
-                         for interval in (10**9, args.refit_interval)}
-                add(batch=b, positions=p, case="features+predict+observe", vocab=vocab, sets=n_sets,
-                    floor_us=floor_us, us_plain=times[10**9], us_amortised=times[args.refit_interval])
+                    add(
+                        batch=b,
+                        positions=p,
+                        case="features",
+                        vocab=vocab,
+                        sets=n_sets,
+                        floor_us=floor_us,
+                        us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits),
+                    )
+                times = {
+                    interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
+                    for interval in (10**9, args.refit_interval)
+                }
+                add(
+                    batch=b,
+                    positions=p,
+                    case="features+predict+observe",
+                    vocab=vocab,
+                    sets=n_sets,
+                    floor_us=floor_us,
+                    us_plain=times[10**9],
+                    us_amortised=times[args.refit_interval],
+                )
                 if vocab == args.vocab:
+
                     def draft_tokens(acc, lg):
                         return acc + jnp.sum(jnp.argmax(lg, axis=-1))
 
                     def draft_tokens_full(state, xs):
                         state = full(state, xs)
                         return state.replace(h_xx=state.h_xx + 0.0 * jnp.sum(jnp.argmax(xs[0], axis=-1)))
-                    add(batch=b, positions=p, case="draft argmax", vocab=vocab, sets=n_sets, floor_us=floor_us,
-                        us_plain=scan_us(draft_tokens, jnp.zeros((), jnp.int32), logits))
-                    add(batch=b, positions=p, case="draft argmax+features+predict+observe", vocab=vocab,
-                        sets=n_sets, floor_us=floor_us,
-                        us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)))
+
+                    add(
+                        batch=b,
+                        positions=p,
+                        case="draft argmax",
+                        vocab=vocab,
+                        sets=n_sets,
+                        floor_us=floor_us,
+                        us_plain=scan_us(draft_tokens, jnp.zeros((), jnp.int32), logits),
+                    )
+                    add(
+                        batch=b,
+                        positions=p,
+                        case="draft argmax+features+predict+observe",
+                        vocab=vocab,
+                        sets=n_sets,
+                        floor_us=floor_us,
+                        us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)),
+                    )
 
                     def engine_draft(state, xs, sampled, with_estimator=True):
                         """The engine's draft side: one DraftDistribution for the drafts (argmax, or
@@ -259,17 +336,34 @@ def main(args):
                         return state.replace(h_xx=state.h_xx + 0.0 * live)
 
                     draw_keys = jax.random.split(jax.random.key(b), b)
-                    for case, fn in (("engine draft, greedy: argmax",
-                                      functools.partial(engine_draft, sampled=False, with_estimator=False)),
-                                     ("engine draft, greedy: argmax+features+predict+observe",
-                                      functools.partial(engine_draft, sampled=False)),
-                                     (f"engine draft, T={temp}: draw+q",
-                                      functools.partial(engine_draft, sampled=True, with_estimator=False)),
-                                     (f"engine draft, T={temp}: draw+q+features+predict+observe",
-                                      functools.partial(engine_draft, sampled=True)),
-                                     (f"materialised q, T={temp}: draw+q+features+predict+observe", materialised_q)):
-                        add(batch=b, positions=p, case=case, vocab=vocab, sets=n_sets, floor_us=floor_us,
-                            us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)))
+                    for case, fn in (
+                        (
+                            "engine draft, greedy: argmax",
+                            functools.partial(engine_draft, sampled=False, with_estimator=False),
+                        ),
+                        (
+                            "engine draft, greedy: argmax+features+predict+observe",
+                            functools.partial(engine_draft, sampled=False),
+                        ),
+                        (
+                            f"engine draft, T={temp}: draw+q",
+                            functools.partial(engine_draft, sampled=True, with_estimator=False),
+                        ),
+                        (
+                            f"engine draft, T={temp}: draw+q+features+predict+observe",
+                            functools.partial(engine_draft, sampled=True),
+                        ),
+                        (f"materialised q, T={temp}: draw+q+features+predict+observe", materialised_q),
+                    ):
+                        add(
+                            batch=b,
+                            positions=p,
+                            case=case,
+                            vocab=vocab,
+                            sets=n_sets,
+                            floor_us=floor_us,
+                            us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)),
+                        )
                 del logits
 
     lines = dump()

@@ -18,6 +18,7 @@ Usage (GPU):
   python3 bench/fold_kernel.py --smoke      (CPU, interpret mode, tiny heads: checks the script)
 Writes DIR/fold_bench.md and DIR/fold_bench.json (DIR = --out, default $OUT or bench/out).
 """
+
 import argparse
 import functools
 import gc
@@ -38,11 +39,23 @@ from jaxspec.pallas import fold  # noqa: E402
 
 H, HV, K, V, L, M = 16, 48, 128, 128, 16, 8
 # (block_v, num_warps, heads per program) tried by --sweep at --sweep-batch, 1 layer
-SWEEP = ((64, 4, 1), (64, 4, 2), (64, 4, 4), (64, 4, 8), (32, 4, 1), (32, 4, 4), (32, 4, 8), (32, 2, 4),
-         (64, 8, 4), (128, 8, 1), (128, 8, 2))
+SWEEP = (
+    (64, 4, 1),
+    (64, 4, 2),
+    (64, 4, 4),
+    (64, 4, 8),
+    (32, 4, 1),
+    (32, 4, 4),
+    (32, 4, 8),
+    (32, 2, 4),
+    (64, 8, 4),
+    (128, 8, 1),
+    (128, 8, 2),
+)
 
 try:
     from jax._src.lib import mosaic_gpu as _mgpu
+
     _CUPTI = _mgpu._mosaic_gpu_ext
 except Exception:  # noqa: BLE001
     _CUPTI = None
@@ -64,7 +77,7 @@ def timed(step, state, rest, iters):
                 timings = _CUPTI._cupti_get_timings(True)
             if timings and len(timings) % iters == 0:
                 n = len(timings) // iters
-                per_iter = [sum(t for _, t in timings[i * n:(i + 1) * n]) for i in range(iters)]
+                per_iter = [sum(t for _, t in timings[i * n : (i + 1) * n]) for i in range(iters)]
         except Exception as e:  # noqa: BLE001
             print("cupti failed:", repr(e), flush=True)
     t0 = time.perf_counter()
@@ -106,6 +119,7 @@ def must_move(layers, batch, ckpt_dtype, ring):
 def _compare(a, b):
     """(max|a - b| / max|b|, all finite(a)), one layer at a time (no full-size temporaries: a
     48-layer fp32 checkpoint at batch 128 is 19.5 GB)."""
+
     def one(ab):
         x, y = ab[0].astype(jnp.float32), ab[1].astype(jnp.float32)
         return jnp.max(jnp.abs(x - y)), jnp.max(jnp.abs(y)), jnp.all(jnp.isfinite(x))
@@ -120,9 +134,12 @@ _KERNELS = {}
 
 def kernel_fn(config):
     if config not in _KERNELS:
-        _KERNELS[config] = jax.jit(functools.partial(gdn_fold, impl="pallas") if config is None
-                                   else functools.partial(fold.gdn_fold, config=config),
-                                   donate_argnums=0)
+        _KERNELS[config] = jax.jit(
+            functools.partial(gdn_fold, impl="pallas")
+            if config is None
+            else functools.partial(fold.gdn_fold, config=config),
+            donate_argnums=0,
+        )
     return _KERNELS[config]
 
 
@@ -145,9 +162,18 @@ def run_case(layers, batch, ckpt_dtype, ring, *, config=None, with_ref=True, tim
     est_ms = max(nbytes / 3.5e12 * 1e3, 0.005)
     n = iters or int(min(200, max(10, 60.0 / est_ms)))
     ckpt, t_k, wall_k = timed(kern, ckpt, rest, n)
-    row = dict(layers=layers, batch=batch, ckpt=jnp.dtype(ckpt_dtype).name, ring=ring, bytes=nbytes,
-               kernel_us=1e3 * statistics.median(t_k), kernel_wall_us=1e3 * wall_k, err_vs_ref=err, finite=finite,
-               config=None if config is None else vars(config))
+    row = dict(
+        layers=layers,
+        batch=batch,
+        ckpt=jnp.dtype(ckpt_dtype).name,
+        ring=ring,
+        bytes=nbytes,
+        kernel_us=1e3 * statistics.median(t_k),
+        kernel_wall_us=1e3 * wall_k,
+        err_vs_ref=err,
+        finite=finite,
+        config=None if config is None else vars(config),
+    )
     if with_ref and time_ref:
         ckpt, t_r, wall_r = timed(ref, ckpt, rest, max(5, n // 4))
         row.update(ref_us=1e3 * statistics.median(t_r), ref_wall_us=1e3 * wall_r)
@@ -157,8 +183,10 @@ def run_case(layers, batch, ckpt_dtype, ring, *, config=None, with_ref=True, tim
 
 
 def fmt_table(rows, bw):
-    head = ("| ckpt | ring | layers | batch | kernel us | us/layer | MB moved | floor us | GB/s | frac of copy BW "
-            "| XLA ref us | ref us/layer | speedup | wall us/call | max rel err vs ref |")
+    head = (
+        "| ckpt | ring | layers | batch | kernel us | us/layer | MB moved | floor us | GB/s | frac of copy BW "
+        "| XLA ref us | ref us/layer | speedup | wall us/call | max rel err vs ref |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r["kernel_us"]
@@ -168,30 +196,44 @@ def fmt_table(rows, bw):
             f"| {r['ckpt']} | {r['ring']} | {r['layers']} | {r['batch']} | {t:.1f} | {t / r['layers']:.1f} | "
             f"{r['bytes'] / 1e6:.1f} | {r['bytes'] / bw * 1e6:.1f} | {gbs:.0f} | {gbs * 1e9 / bw:.2f} | "
             + (f"{ref:.1f} | {ref / r['layers']:.1f} | {ref / t:.1f}x | " if ref else "- | - | - | ")
-            + f"{r['kernel_wall_us']:.1f} | " + ("-" if r["err_vs_ref"] is None else f"{r['err_vs_ref']:.2e}")
-            + ("" if r["finite"] else " NONFINITE") + " |")
+            + f"{r['kernel_wall_us']:.1f} | "
+            + ("-" if r["err_vs_ref"] is None else f"{r['err_vs_ref']:.2e}")
+            + ("" if r["finite"] else " NONFINITE")
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def write_md(result, a, bw):
     rows = sorted(result["rows"], key=lambda r: (r["ckpt"], r["ring"], r["layers"], r["batch"]))
-    md = [f"# GDN fold: Pallas kernel vs XLA reference ({result['device']})", "",
-          f"Floors at {result['floor_bandwidth']} {bw / 1e12:.3f} TB/s (same run). "
-          f"H {H}, HV {HV}, K = V = {K}, ring L = {L}, m = {M} live records per slot, slot 0 null. "
-          "Kernel and XLA times: CUPTI GPU time per call (median); wall: host time per call in a queue. "
-          "Floor: bytes that must move / copy bandwidth. XLA ref: jax.jit(gdn_fold, impl='ref'), checkpoint "
-          f"donated. Library default config: {result['default_config']}.", "", fmt_table(rows, bw)]
+    md = [
+        f"# GDN fold: Pallas kernel vs XLA reference ({result['device']})",
+        "",
+        f"Floors at {result['floor_bandwidth']} {bw / 1e12:.3f} TB/s (same run). "
+        f"H {H}, HV {HV}, K = V = {K}, ring L = {L}, m = {M} live records per slot, slot 0 null. "
+        "Kernel and XLA times: CUPTI GPU time per call (median); wall: host time per call in a queue. "
+        "Floor: bytes that must move / copy bandwidth. XLA ref: jax.jit(gdn_fold, impl='ref'), checkpoint "
+        f"donated. Library default config: {result['default_config']}.",
+        "",
+        fmt_table(rows, bw),
+    ]
     if result["sweep"]:
-        md += ["", f"Config sweep (1 layer, batch {a.sweep_batch}, hi/lo ring):", "",
-               "| block_v | num_warps | heads | ckpt | kernel us | floor us | max rel err vs ref |",
-               "|---|---|---|---|---|---|---|"]
+        md += [
+            "",
+            f"Config sweep (1 layer, batch {a.sweep_batch}, hi/lo ring):",
+            "",
+            "| block_v | num_warps | heads | ckpt | kernel us | floor us | max rel err vs ref |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in result["sweep"]:
             c = r["config"]
-            md.append(f"| {c['block_v']} | {c['num_warps']} | {c['heads']} | {r['ckpt']} | "
-                      f"{r['kernel_us']:.1f} | {r['bytes'] / bw * 1e6:.1f} | {r['err_vs_ref']:.2e} |")
+            md.append(
+                f"| {c['block_v']} | {c['num_warps']} | {c['heads']} | {r['ckpt']} | "
+                f"{r['kernel_us']:.1f} | {r['bytes'] / bw * 1e6:.1f} | {r['err_vs_ref']:.2e} |"
+            )
         md += ["", f"Table rows use the sweep's fastest config per checkpoint dtype: {result.get('best')}."]
     text = "\n".join(md) + "\n"
-    with open(os.path.join(a.out, "fold_bench.md"), "w") as f:   # rewritten after every row
+    with open(os.path.join(a.out, "fold_bench.md"), "w") as f:  # rewritten after every row
         f.write(text)
     return text
 
@@ -219,8 +261,14 @@ def main(a):
     os.makedirs(a.out, exist_ok=True)
     print(jax.devices(), "cupti:", _CUPTI is not None, flush=True)
     copies, bw_src, bw = benchutil.floor_copies(a.out)
-    result = dict(device=str(jax.devices()[0].device_kind), copy_TB_per_s={k: v / 1e12 for k, v in copies.items()},
-                  floor_bandwidth=bw_src, default_config=vars(fold.FoldConfig()), sweep=[], rows=[])
+    result = dict(
+        device=str(jax.devices()[0].device_kind),
+        copy_TB_per_s={k: v / 1e12 for k, v in copies.items()},
+        floor_bandwidth=bw_src,
+        default_config=vars(fold.FoldConfig()),
+        sweep=[],
+        rows=[],
+    )
 
     def dump():
         with open(os.path.join(a.out, "fold_bench.json"), "w") as f:
@@ -243,13 +291,17 @@ def main(a):
                 name = jnp.dtype(cd).name
                 if ok and (name not in best or r["kernel_us"] < best[name][1]):
                     best[name] = (cfg, r["kernel_us"])
-                print(f"sweep block_v={bv} warps={nw} heads={hd} {name}: {r['kernel_us']:.1f} us "
-                      f"(floor {r['bytes'] / bw * 1e6:.1f}) err {r['err_vs_ref']}", flush=True)
+                print(
+                    f"sweep block_v={bv} warps={nw} heads={hd} {name}: {r['kernel_us']:.1f} us "
+                    f"(floor {r['bytes'] / bw * 1e6:.1f}) err {r['err_vs_ref']}",
+                    flush=True,
+                )
                 dump()
         result["best"] = {k: vars(v[0]) for k, v in best.items()}
     ints = lambda text: [int(x) for x in text.split(",")]
-    for layers, batch, cd, ring in itertools.product(ints(a.layers), ints(a.batches), (jnp.bfloat16, jnp.float32),
-                                                     ("hilo", "f32")):
+    for layers, batch, cd, ring in itertools.product(
+        ints(a.layers), ints(a.batches), (jnp.bfloat16, jnp.float32), ("hilo", "f32")
+    ):
         if time.time() - t_start > a.budget_s:
             print(f"budget: stop before L{layers} B{batch}", flush=True)
             break
@@ -262,8 +314,11 @@ def main(a):
             continue
         result["rows"].append(r)
         dump()
-        print(f"L{layers} B{batch} {r['ckpt']} {ring}: kernel {r['kernel_us']:.1f} us "
-              f"ref {r.get('ref_us', 0):.1f} us err {r['err_vs_ref']} ({time.time() - t0:.1f}s)", flush=True)
+        print(
+            f"L{layers} B{batch} {r['ckpt']} {ring}: kernel {r['kernel_us']:.1f} us "
+            f"ref {r.get('ref_us', 0):.1f} us err {r['err_vs_ref']} ({time.time() - t0:.1f}s)",
+            flush=True,
+        )
     print(write_md(result, a, bw))
     return 0
 

@@ -22,6 +22,7 @@ Usage (GPU):
   python3 bench/gdn_verify_kernel.py --smoke      (CPU, interpret mode, tiny shapes: checks the script)
 Writes DIR/gdn_verify_bench.jsonl (a line a case) and DIR/gdn_verify_bench.md.
 """
+
 import argparse
 import dataclasses
 import functools
@@ -51,7 +52,7 @@ def make_inputs(batch, t, ckpt_dtype, hist, seed=0):
     key = jax.random.split(jax.random.PRNGKey(seed), 10)
     n, s1 = batch * t, batch + 1
     nrm = lambda x: x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
-    q = nrm(jax.random.normal(key[0], (n, H, K))) * K ** -0.5
+    q = nrm(jax.random.normal(key[0], (n, H, K))) * K**-0.5
     k = nrm(jax.random.normal(key[1], (n, H, K)))
     if hilo:
         k = k.astype(jnp.bfloat16).astype(jnp.float32)
@@ -98,7 +99,9 @@ def looped(fn, iters):
             rk, ru, rg, acc = c
             o, rk, ru, rg = fn(q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots)
             return rk, ru, rg, acc + o[-1, -1, -1]
+
         return jax.lax.fori_loop(0, iters, body, (rk, ru, rg, jnp.float32(0)))
+
     return run
 
 
@@ -113,7 +116,7 @@ def time_loop(fn, args, iters, reps):
     run = looped(fn, iters)
     state = list(args)
     copies = count_copies(run, state)
-    out = run(*state)                      # compile + warm up
+    out = run(*state)  # compile + warm up
     jax.block_until_ready(out)
     state[6], state[7], state[8] = out[0], out[1], out[2]
     times = []
@@ -151,11 +154,26 @@ def kernel_fn(t, cfg):
 
 def coeff_fn(t, cfg):
     """The coefficient kernel alone (M's first column stands in for o)."""
+
     def fn(q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots):
-        mat, _, rk, rg = kv.coefficients(q, k, g, beta, rk, rg, write_pos, qsl, slots, t,
-                                         block_k=min(cfg.block_k, K), num_warps=cfg.coeff_warps,
-                                         interpret=default_interpret(), layer=None)
+        mat, _, rk, rg = kv.coefficients(
+            q,
+            k,
+            g,
+            beta,
+            rk,
+            rg,
+            write_pos,
+            qsl,
+            slots,
+            t,
+            block_k=min(cfg.block_k, K),
+            num_warps=cfg.coeff_warps,
+            interpret=default_interpret(),
+            layer=None,
+        )
         return mat[..., 0], rk, ru, rg
+
     return fn
 
 
@@ -201,8 +219,9 @@ def parse(argv=None):
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--fla", nargs="*", default=[], help="the fla anchor's JSON lines (files)")
     ap.add_argument("--config", default="", help='dtype=json;... VerifyConfig per dtype, e.g. bf16={"block_v":64}')
-    ap.add_argument("--profile", default="", help="dtype:json: run that config 3 times at batch 128, T 8, then "
-                    "exit (for ncu)")
+    ap.add_argument(
+        "--profile", default="", help="dtype:json: run that config 3 times at batch 128, T 8, then exit (for ncu)"
+    )
     benchutil.add_common_args(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -232,8 +251,14 @@ def main(args):
             jax.block_until_ready(run(*a))
         return 0
     copies, bw_src, bw = benchutil.floor_copies(args.out)
-    emit(dict(kind="copy", TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor=bw_src,
-              device=str(jax.devices()[0].device_kind)))
+    emit(
+        dict(
+            kind="copy",
+            TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()},
+            floor=bw_src,
+            device=str(jax.devices()[0].device_kind),
+        )
+    )
     best = {d: kv.default_config(DTYPES[d], V) for d in DTYPES}
     for spec in filter(None, args.config.split(";")):
         d, fields = spec.split("=", 1)
@@ -253,9 +278,18 @@ def main(args):
                 emit(dict(kind="sweep", dtype=d, variant=name, error=str(e)[:300]))
                 continue
             mv = must_move(a, 8, 0)
-            emit(dict(kind="sweep", dtype=d, variant=name, us=round(us, 1), us_min=round(us_min, 1),
-                      frac_bw=round(mv["total"] / bw / (us * 1e-6), 3), copies=copied[:6],
-                      coeff_us=coeff_us(8, cfg, args.sweep_batch, DTYPES[d], 0, args.iters, args.reps)))
+            emit(
+                dict(
+                    kind="sweep",
+                    dtype=d,
+                    variant=name,
+                    us=round(us, 1),
+                    us_min=round(us_min, 1),
+                    frac_bw=round(mv["total"] / bw / (us * 1e-6), 3),
+                    copies=copied[:6],
+                    coeff_us=coeff_us(8, cfg, args.sweep_batch, DTYPES[d], 0, args.iters, args.reps),
+                )
+            )
             results[d].append((us, cfg))
         for d in dtypes:
             if results[d]:
@@ -281,19 +315,32 @@ def run_case(args, t, d, batch, hist, cfg, bw, run_ref):
     a, ring_len = make_inputs(batch, t, DTYPES[d], hist)
     mv = must_move(a, t, hist)
     iters = args.iters if batch >= 32 else 4 * args.iters
-    rec = dict(kind="case", T=t, ckpt=d, batch=batch, hist=hist, ring=ring_len, config=config_label(cfg),
-               bytes=mv["total"], ckpt_bytes=mv["ckpt"], floor_us=round(mv["total"] / bw * 1e6, 1),
-               ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1))
+    rec = dict(
+        kind="case",
+        T=t,
+        ckpt=d,
+        batch=batch,
+        hist=hist,
+        ring=ring_len,
+        config=config_label(cfg),
+        bytes=mv["total"],
+        ckpt_bytes=mv["ckpt"],
+        floor_us=round(mv["total"] / bw * 1e6, 1),
+        ckpt_floor_us=round(mv["ckpt"] / bw * 1e6, 1),
+    )
     try:
         us, us_min, copied = time_loop(kernel_fn(t, cfg), a, iters, args.reps)
         rec.update(us_loop=round(us, 1), us_min=round(us_min, 1), copies=copied[:6])
-        if copied:   # XLA copied something inside the loop: time donated calls as well
+        if copied:  # XLA copied something inside the loop: time donated calls as well
             a, _ = make_inputs(batch, t, DTYPES[d], hist)
             c_us, c_copied = time_calls(kernel_fn(t, cfg), a, iters, args.reps)
             rec.update(us_calls=round(c_us, 1), copies_calls=c_copied[:6])
             us = us if c_copied else min(us, c_us)
-        rec.update(us=round(us, 1), frac_bw=round(mv["total"] / bw / (us * 1e-6), 3),
-                   coeff_us=coeff_us(t, cfg, batch, DTYPES[d], hist, iters, args.reps))
+        rec.update(
+            us=round(us, 1),
+            frac_bw=round(mv["total"] / bw / (us * 1e-6), 3),
+            coeff_us=coeff_us(t, cfg, batch, DTYPES[d], hist, iters, args.reps),
+        )
     except Exception as e:
         rec.update(error=str(e)[:300])
     if run_ref:
@@ -344,12 +391,21 @@ def write_markdown(path, bw_src, bw, rows, fla):
     for r in rows:
         f = fla.get((r["T"], r["ckpt"], r["batch"]))
         us = r.get("us")
-        lines.append("| {T} | {ckpt} | {hist} | {batch} | {cfg} | {us_s} | {coeff} | {mb:.1f} | {floor_us} "
-                     "| {ckpt_floor_us} | {frac} | {ref} | {sp} | {fla} | {xf} |".format(
-                         cfg=",".join(map(str, r["config"])), us_s=us if us is not None else r.get("error", "-")[:60],
-                         coeff=r.get("coeff_us", "-"), mb=r["bytes"] / 1e6, frac=r.get("frac_bw", "-"),
-                         ref=r.get("ref_us", "-"), sp=r.get("speedup_vs_ref", "-"), fla=f or "-",
-                         xf=round(f / us, 1) if (f and us) else "-", **r))
+        lines.append(
+            "| {T} | {ckpt} | {hist} | {batch} | {cfg} | {us_s} | {coeff} | {mb:.1f} | {floor_us} "
+            "| {ckpt_floor_us} | {frac} | {ref} | {sp} | {fla} | {xf} |".format(
+                cfg=",".join(map(str, r["config"])),
+                us_s=us if us is not None else r.get("error", "-")[:60],
+                coeff=r.get("coeff_us", "-"),
+                mb=r["bytes"] / 1e6,
+                frac=r.get("frac_bw", "-"),
+                ref=r.get("ref_us", "-"),
+                sp=r.get("speedup_vs_ref", "-"),
+                fla=f or "-",
+                xf=round(f / us, 1) if (f and us) else "-",
+                **r,
+            )
+        )
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
 

@@ -20,6 +20,7 @@ no new case after BUDGET_SHARE of it. The default timeouts, T 8, add up to 10 mi
 Usage (GPU): python3 bench/kernels.py --out $OUT [--jobs verify,conv] [--ts 8,16]   (or `make bench`)
 Writes DIR/JOB/log.txt and the job's own files, and DIR/summary.json (a job's status and seconds).
 """
+
 import argparse
 import glob
 import json
@@ -60,17 +61,38 @@ def job_list(args):
     jobs = []
     for t in args.ts.split(","):
         fla_log = os.path.join(args.out, f"fla_T{t}", "log.txt")
-        jobs += [(f"fla_T{t}", "fla", [sys.executable, ANCHOR, "--batches", args.batches, "--T", t]),
-                 (f"verify_T{t}", "verify", script("gdn_verify_kernel.py", "--ts", t, "--hists", "0,8", "--batches",
-                                                   args.batches, "--ref-batches", "1,128", "--fla", fla_log)),
-                 (f"conv_T{t}", "conv", script("conv_kernel.py", "--T", t, "--batches", args.batches))]
-    jobs += [("fold", "fold", script("fold_kernel.py", "--batches", args.batches)),
-             ("prefill", "prefill", script("prefill_chunk.py", "--cases", "1x4096,4x4096", "--reps", "5",
-                                           "--iters", "3")),
-             ("attention", "attention", script("attention_kernel.py", "--reps", "5", "--xla-reps", "3")),
-             ("topk", "topk", script("topk_kernel.py", "--no-adversarial", "--reps", "5", "--inner", "3",
-                                     "--xla-reps", "2")),
-             ("estimator", "estimator", script("estimator_step.py", "--reps", "5"))]
+        jobs += [
+            (f"fla_T{t}", "fla", [sys.executable, ANCHOR, "--batches", args.batches, "--T", t]),
+            (
+                f"verify_T{t}",
+                "verify",
+                script(
+                    "gdn_verify_kernel.py",
+                    "--ts",
+                    t,
+                    "--hists",
+                    "0,8",
+                    "--batches",
+                    args.batches,
+                    "--ref-batches",
+                    "1,128",
+                    "--fla",
+                    fla_log,
+                ),
+            ),
+            (f"conv_T{t}", "conv", script("conv_kernel.py", "--T", t, "--batches", args.batches)),
+        ]
+    jobs += [
+        ("fold", "fold", script("fold_kernel.py", "--batches", args.batches)),
+        ("prefill", "prefill", script("prefill_chunk.py", "--cases", "1x4096,4x4096", "--reps", "5", "--iters", "3")),
+        ("attention", "attention", script("attention_kernel.py", "--reps", "5", "--xla-reps", "3")),
+        (
+            "topk",
+            "topk",
+            script("topk_kernel.py", "--no-adversarial", "--reps", "5", "--inner", "3", "--xla-reps", "2"),
+        ),
+        ("estimator", "estimator", script("estimator_step.py", "--reps", "5")),
+    ]
     chosen = args.jobs.split(",")
     return [job for job in jobs if job[1] in chosen]
 
@@ -89,12 +111,15 @@ def run(cmd, out_dir, env, timeout):
 
 def main(args):
     env = dict(os.environ, PYTHONPATH=benchutil.ROOT, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    backend = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
-                             capture_output=True, text=True).stdout.strip()
+    backend = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env, capture_output=True, text=True
+    ).stdout.strip()
     if backend != "gpu":
-        print(f"bench/kernels.py: JAX's backend is {backend or 'not importable'}, not gpu: run it with a Python "
-              "whose jax has CUDA (pip install -e '.[cuda]', or `make bench PY=python3` on the GPU machine)",
-              file=sys.stderr)
+        print(
+            f"bench/kernels.py: JAX's backend is {backend or 'not importable'}, not gpu: run it with a Python "
+            "whose jax has CUDA (pip install -e '.[cuda]', or `make bench PY=python3` on the GPU machine)",
+            file=sys.stderr,
+        )
         return 2
     summary = []
 
@@ -104,8 +129,12 @@ def main(args):
 
     start = time.time()
     torch_dir = os.path.join(args.out, "torch_copy")
-    rc = run([sys.executable, "-c", "import sys, benchutil; benchutil.torch_copy_bandwidth(sys.argv[1])", torch_dir],
-             torch_dir, dict(env, PYTHONPATH=HERE), TIMEOUT_S["torch"] * args.scale)
+    rc = run(
+        [sys.executable, "-c", "import sys, benchutil; benchutil.torch_copy_bandwidth(sys.argv[1])", torch_dir],
+        torch_dir,
+        dict(env, PYTHONPATH=HERE),
+        TIMEOUT_S["torch"] * args.scale,
+    )
     record("torch_copy", rc, start)
     torch_json = os.path.join(torch_dir, benchutil.TORCH_COPY_JSON)
     wheels = glob.glob(WHEELS)
@@ -119,8 +148,21 @@ def main(args):
                 continue
             if site is None:
                 site = tempfile.mkdtemp()
-                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
-                                site, *wheels], check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "install",
+                        "-q",
+                        "--no-index",
+                        "--no-deps",
+                        "--target",
+                        site,
+                        *wheels,
+                    ],
+                    check=True,
+                )
             rc = run(cmd, out_dir, dict(os.environ, PYTHONPATH=site), timeout)
         else:
             os.makedirs(out_dir, exist_ok=True)
@@ -130,7 +172,7 @@ def main(args):
         record(name, rc, start)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    return int(any(s["rc"] for s in summary[1:]))      # a failed torch copy only costs the torch floor
+    return int(any(s["rc"] for s in summary[1:]))  # a failed torch copy only costs the torch floor
 
 
 if __name__ == "__main__":

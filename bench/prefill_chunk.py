@@ -19,6 +19,7 @@ Usage (GPU):
   python3 bench/prefill_chunk.py --smoke      (CPU, interpret mode, tiny shapes: checks the script)
 Writes DIR/prefill_chunk.json (DIR = --out, default $OUT or bench/out).
 """
+
 import argparse
 import functools
 import json
@@ -57,7 +58,7 @@ def op_bytes(args):
 
 
 def parse_config(spec):
-    """"BVxWARPSxSTAGES[xCHUNK[xPREPWARPS]]" -> ChunkConfig."""
+    """ "BVxWARPSxSTAGES[xCHUNK[xPREPWARPS]]" -> ChunkConfig."""
     vals = [int(x) for x in spec.split("x")]
     names = ("block_v", "num_warps", "num_stages", "chunk", "prep_warps")
     return pallas_chunked.ChunkConfig(**dict(zip(names, vals)))
@@ -79,7 +80,7 @@ def read_fla(path):
 
 def rel_rms(a, b):
     a, b = (jnp.asarray(x, jnp.float32) for x in (a, b))
-    return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b ** 2)))
+    return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b**2)))
 
 
 def parse(argv=None):
@@ -127,8 +128,16 @@ def main(args):
             if "xla" in impls and not sweep_pass:
                 xla_us, ref = benchutil.median_us(fn, *xs, reps=args.reps, inner=args.iters)
                 xla[(batch, t)] = xla_us, ref
-                emit({"kernel": "xla gdn_chunked", "batch": batch, "T": t, "us": round(xla_us, 1),
-                      "tokens_per_s": round(batch * t / xla_us * 1e6), "floor_us": round(floor_us, 1)})
+                emit(
+                    {
+                        "kernel": "xla gdn_chunked",
+                        "batch": batch,
+                        "T": t,
+                        "us": round(xla_us, 1),
+                        "tokens_per_s": round(batch * t / xla_us * 1e6),
+                        "floor_us": round(floor_us, 1),
+                    }
+                )
             if "pallas" not in impls:
                 continue
             for name, cfg in cfgs:
@@ -138,14 +147,22 @@ def main(args):
                 prep = jax.jit(functools.partial(pallas_chunked.chunk_matrices, num_value_heads=HV, config=cfg))
                 try:
                     us, out = benchutil.median_us(kernel, *xs, reps=args.reps, inner=args.iters)
-                    prep_us, _ = benchutil.median_us(prep, xs[0], xs[1], xs[3], xs[4], None, reps=args.reps,
-                                                     inner=args.iters)
-                except Exception as e:   # noqa: BLE001 - a config the GPU rejects (e.g. shared memory)
+                    prep_us, _ = benchutil.median_us(
+                        prep, xs[0], xs[1], xs[3], xs[4], None, reps=args.reps, inner=args.iters
+                    )
+                except Exception as e:  # noqa: BLE001 - a config the GPU rejects (e.g. shared memory)
                     emit({"kernel": name, "batch": batch, "T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     continue
-                row = {"kernel": name, "batch": batch, "T": t, "us": round(us, 1), "prep_us": round(prep_us, 1),
-                       "tokens_per_s": round(batch * t / us * 1e6), "floor_us": round(floor_us, 1),
-                       "frac_bw": round(floor_us / us, 3)}
+                row = {
+                    "kernel": name,
+                    "batch": batch,
+                    "T": t,
+                    "us": round(us, 1),
+                    "prep_us": round(prep_us, 1),
+                    "tokens_per_s": round(batch * t / us * 1e6),
+                    "floor_us": round(floor_us, 1),
+                    "frac_bw": round(floor_us / us, 3),
+                }
                 if (batch, t) in xla:
                     xla_us, ref = xla[(batch, t)]
                     row["vs_xla"] = round(xla_us / us, 2)
@@ -156,8 +173,16 @@ def main(args):
                     row["vs_fla"] = round(us / fla[(batch, t)], 2)
                 emit(row)
     with open(os.path.join(args.out, "prefill_chunk.json"), "w") as f:
-        json.dump({"device": str(jax.devices()[0]), "floor_bandwidth": bw_src,
-                   "copy_TB_per_s": {k: round(v / 1e12, 3) for k, v in copies.items()}, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "device": str(jax.devices()[0]),
+                "floor_bandwidth": bw_src,
+                "copy_TB_per_s": {k: round(v / 1e12, 3) for k, v in copies.items()},
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     return 0
 
 

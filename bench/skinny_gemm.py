@@ -21,6 +21,7 @@ Usage (GPU):
   python3 bench/skinny_gemm.py --smoke      (CPU, small shapes)
 Writes DIR/skinny_gemm_TAG.json and prints a table.
 """
+
 import argparse
 import json
 import os
@@ -71,7 +72,7 @@ def main(args):
         return dot((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype), p["down"])
 
     def gdn(dot, x, p):
-        y = dot(x, p["qkv"])[:, :p["z"].shape[1]] + dot(x, p["z"])
+        y = dot(x, p["qkv"])[:, : p["z"].shape[1]] + dot(x, p["z"])
         return dot(y, p["out"]) + (dot(x, p["a"]) + dot(x, p["b"])).sum(-1, keepdims=True)
 
     def head(dot, x, p):
@@ -86,7 +87,7 @@ def main(args):
         params = {}
         for k, (a, b) in shapes[name].items():
             key, sub = jax.random.split(key)
-            params[k] = (jax.random.normal(sub, (a // scale, b // scale), jnp.float32) * a ** -0.5).astype(jnp.bfloat16)
+            params[k] = (jax.random.normal(sub, (a // scale, b // scale), jnp.float32) * a**-0.5).astype(jnp.bfloat16)
         nbytes = sum(v.size * 2 for v in params.values())
         for m in map(int, args.rows.split(",")):
             key, sub = jax.random.split(key)
@@ -98,21 +99,34 @@ def main(args):
                 floor_us = nbytes / bw * 1e6
                 busy = gpu.get("busy_us")
                 top = sorted(gpu.get("kernels", {}).items(), key=lambda kv: -kv[1])[:4]
-                rows.append(dict(set=name, rows=m, variant=vname, flags=args.tag, wall_us=round(wall_us, 1),
-                                 gpu_busy_us=None if busy is None else round(busy, 1), floor_us=round(floor_us, 1),
-                                 busy_over_floor=None if busy is None else round(busy / floor_us, 2),
-                                 kernels=[f"{k[:60]} {v:.1f}" for k, v in top]))
+                rows.append(
+                    dict(
+                        set=name,
+                        rows=m,
+                        variant=vname,
+                        flags=args.tag,
+                        wall_us=round(wall_us, 1),
+                        gpu_busy_us=None if busy is None else round(busy, 1),
+                        floor_us=round(floor_us, 1),
+                        busy_over_floor=None if busy is None else round(busy / floor_us, 2),
+                        kernels=[f"{k[:60]} {v:.1f}" for k, v in top],
+                    )
+                )
                 print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(c if c.isalnum() else "_" for c in args.tag)[:60]
     with open(os.path.join(args.out, f"skinny_gemm_{tag}.json"), "w") as f:
         json.dump(dict(bandwidth=dict(name=bw_name, bytes_per_s=bw), rows=rows), f, indent=1)
-    print(f"\n| set | rows | variant | GPU busy us | floor us | ratio |  ({args.tag}; floor at {bw_name} "
-          f"{bw / 1e12:.2f} TB/s)")
+    print(
+        f"\n| set | rows | variant | GPU busy us | floor us | ratio |  ({args.tag}; floor at {bw_name} "
+        f"{bw / 1e12:.2f} TB/s)"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['set']} | {r['rows']} | {r['variant']} | {r['gpu_busy_us']} | {r['floor_us']} | "
-              f"{r['busy_over_floor']} |")
+        print(
+            f"| {r['set']} | {r['rows']} | {r['variant']} | {r['gpu_busy_us']} | {r['floor_us']} | "
+            f"{r['busy_over_floor']} |"
+        )
 
 
 if __name__ == "__main__":

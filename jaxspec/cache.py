@@ -4,6 +4,7 @@ Every array has a slot axis of size num_slots + 1. Slot 0 is the null slot: padd
 it, nothing is written to it and nothing reads it. Real requests own slots 1..num_slots.
 There is no per-draft-token SSM state: rejected drafts are rolled back by the ring cursor.
 """
+
 import math
 
 import jax.numpy as jnp

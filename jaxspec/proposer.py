@@ -17,6 +17,7 @@ Both methods are traced inside the engine's jitted step, so they must be pure jn
 proposer itself is a pytree (a flax struct dataclass) passed to the step as an argument, so its
 weights are inputs of the compiled step, never constants baked into it.
 """
+
 from flax import struct
 
 from jaxspec import dflash

@@ -1,4 +1,5 @@
 """Tokenizers: byte-level for the project's own tiny models, `tokenizers` for tokenizer.json."""
+
 import os
 
 

@@ -4,6 +4,7 @@ Pallas' Triton lowering turns a kernel into Triton IR at lowering time, so expor
 `cuda` platform under an abstract H200 device catches lowering errors (unsupported primitives,
 block shapes, dtypes) on the CPU. Compiling the IR to PTX and running it still needs the GPU.
 """
+
 import jax
 from jax import export
 from jax._src.mesh import AbstractDevice, AbstractMesh

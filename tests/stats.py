@@ -1,4 +1,5 @@
 """Chi-square goodness of fit for the lossless-sampling tests (scipy is not a dependency)."""
+
 import jax
 import numpy as np
 
@@ -16,7 +17,7 @@ def chi2_test(counts, probs, min_expected=5.0):
     big = exp >= min_expected
     obs_cells = np.append(counts[big], counts[~big].sum())
     exp_cells = np.append(exp[big], exp[~big].sum())
-    if exp_cells[-1] < min_expected:                        # fold a tiny pooled cell into the smallest
+    if exp_cells[-1] < min_expected:  # fold a tiny pooled cell into the smallest
         j = np.argmin(exp_cells[:-1])
         obs_cells[j] += obs_cells[-1]
         exp_cells[j] += exp_cells[-1]

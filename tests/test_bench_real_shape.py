@@ -1,6 +1,7 @@
 """bench/real_shape.py: its --smoke run on the CPU (the GPU benchmark's code path on a tiny config) writes the
 JSON and markdown report, with finite step times and floors per batch and the 64-layer memory report; and its
 kernel -> engine scope mapping on synthetic trace events and HLO text."""
+
 import importlib.util
 import json
 import math
@@ -15,8 +16,8 @@ SCRIPT = os.path.join(ROOT, "bench", "real_shape.py")
 def qwen35_27b_params():
     """Parameters of the 64-layer Qwen3.5-27B text model, counted here from its published dimensions."""
     d, inter, vocab, layers = 5120, 17408, 248320, 64
-    hq, kvh, hd = 24, 4, 256                      # gated attention: q_proj has 2 x hq x hd outputs (q, gate)
-    hk, hv, dk, dv, w = 16, 48, 128, 128, 4       # Gated DeltaNet
+    hq, kvh, hd = 24, 4, 256  # gated attention: q_proj has 2 x hq x hd outputs (q, gate)
+    hk, hv, dk, dv, w = 16, 48, 128, 128, 4  # Gated DeltaNet
     mlp = 3 * d * inter
     norms = 2 * d
     conv = 2 * hk * dk + hv * dv
@@ -27,12 +28,22 @@ def qwen35_27b_params():
 
 
 def test_smoke_run_writes_report(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               # XLA:CPU codegen at -O0: the smoke run is all compilation; the code path is the same
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+        # XLA:CPU codegen at -O0: the smoke run is all compilation; the code path is the same
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
+    )
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     report = json.loads((tmp_path / "real_shape.json").read_text())
@@ -46,26 +57,26 @@ def test_smoke_run_writes_report(tmp_path):
             assert math.isfinite(res["ms"]) and res["ms"] > 0
             assert math.isfinite(res["floor_ms"]) and res["floor_ms"] > 0
             assert all(v > 0 for v in res["floor_terms_bytes"].values())
-            assert res["gpu"] is None                         # no GPU kernels in a CPU trace: no breakdown
-            check = res["cpu_mapping_check"]                  # the kernel -> scope mapping on XLA:CPU thunks
+            assert res["gpu"] is None  # no GPU kernels in a CPU trace: no breakdown
+            check = res["cpu_mapping_check"]  # the kernel -> scope mapping on XLA:CPU thunks
             assert check and check["by_scope"].get("verify", 0) > 0 and "hlo_op" in check["stats"]
-        assert rows[b]["none"]["tokens_per_step"] == b        # one token a row
+        assert rows[b]["none"]["tokens_per_step"] == b  # one token a row
         assert rows[b]["spec_full"]["tokens_per_step"] == b * report["draft"]["block"]
         assert {"draft", "verify", "commit"} <= set(rows[b]["spec_full"]["cpu_mapping_check"]["by_scope"])
-        assert row["compact"], row                            # the tiers below the full block
+        assert row["compact"], row  # the tiers below the full block
         for tier, res in row["compact"].items():
-            assert res["ms"] > 0 and res["tokens_per_step"] == int(tier)   # forced acceptance: tier tokens
+            assert res["ms"] > 0 and res["tokens_per_step"] == int(tier)  # forced acceptance: tier tokens
 
     mem = report["memory"]
     assert mem["layers"] == 64 and mem["batch"] == 64 and mem["context"] == 8192
     expected = 2 * qwen35_27b_params()
     assert abs(mem["items"]["target weights"] - expected) <= 0.05 * expected, (mem["items"], expected)
-    assert 25e9 < expected / 2 < 29e9                       # the count itself: a 27B model
+    assert 25e9 < expected / 2 < 29e9  # the count itself: a 27B model
     assert mem["total"] == sum(mem["items"].values()) and mem["fits"] == (mem["total"] <= 141e9)
 
     md = (tmp_path / "real_shape.md").read_text()
     assert "| batch | none ms | none floor ms |" in md
-    table = md[md.index("| batch | none ms"):].splitlines()
+    table = md[md.index("| batch | none ms") :].splitlines()
     assert [ln.split("|")[1].strip() for ln in table[2:4]] == ["1", "2"]
     assert "## memory at 64 layers" in md
 
@@ -105,18 +116,28 @@ def test_kernel_scope_mapping():
     events = [  # (start ns, duration ns, kernel name, stats, line)
         (0, 5 * us, "ampere_gemm", {"tf_op": "jit(_step)/draft/dot_general", "hlo_op": "dot.1"}, "Stream #1"),
         (10 * us, 3 * us, "verify_kernel", {"hlo_op": "custom-call.2", "hlo_module": "jit__step"}, "Stream #1"),
-        (20 * us, 2 * us, "loop_fusion_3", {}, "Stream #1"),                 # no stats: the kernel name
+        (20 * us, 2 * us, "loop_fusion_3", {}, "Stream #1"),  # no stats: the kernel name
         (30 * us, 1 * us, "mystery", {"hlo_op": "nowhere.1"}, "Stream #1"),
         (40 * us, 4 * us, "memcpy DtoD", {}, "Stream #2"),
         # inside a CUDA graph: the annotation names the graph, whatever op launched the kernel
         (50 * us, 6 * us, "nvjet_gemm", {"hlo_op": "command_buffer_1", "tf_op": "jit(_step)/draft/x"}, "Stream #1"),
     ]
     out = rs.map_events(events, 1, lambda: HLO)
-    assert out["by_scope"] == {"draft": 5e-3, "verify": 3e-3, "draft_context": 2e-3, "command_buffer": 6e-3,
-                               "other": 1e-3}
+    assert out["by_scope"] == {
+        "draft": 5e-3,
+        "verify": 3e-3,
+        "draft_context": 2e-3,
+        "command_buffer": 6e-3,
+        "other": 1e-3,
+    }
     assert out["busy_ms"] == 17e-3 and out["memcpy_ms"] == 4e-3
-    assert out["by_source"] == {"stat:tf_op": 1, "hlo_op:metadata": 1, "kernel_name:called": 1, "unmapped": 1,
-                                "command_buffer": 1}
+    assert out["by_source"] == {
+        "stat:tf_op": 1,
+        "hlo_op:metadata": 1,
+        "kernel_name:called": 1,
+        "unmapped": 1,
+        "command_buffer": 1,
+    }
     assert [u["kernel"] for u in out["unmapped"]] == ["mystery"] and out["unmapped_ms"] == 1e-3
-    assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "nvjet_gemm"     # the longest
+    assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "nvjet_gemm"  # the longest
     assert rs.map_events([], 1, lambda: HLO) is None

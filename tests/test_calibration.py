@@ -2,6 +2,7 @@
 miscalibrated data, the online replay (predict before observe), trace files, the recorder, the
 reliability plot and the `jaxspec estimator` command.
 """
+
 import json
 
 import jax
@@ -38,9 +39,9 @@ def brute_auc(scores, labels):
 def test_auc_equals_the_pairwise_count(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(5, 80))
-    scores = rng.integers(0, 6, n).astype(np.float64) / 5          # many ties
+    scores = rng.integers(0, 6, n).astype(np.float64) / 5  # many ties
     if seed % 2:
-        scores = scores + rng.normal(0, 0.01, n)                   # few ties
+        scores = scores + rng.normal(0, 0.01, n)  # few ties
     labels = rng.random(n) < 0.4
     labels[0], labels[1] = True, False
     assert cal.auc(scores, labels) == pytest.approx(brute_auc(scores, labels), abs=1e-12)
@@ -65,7 +66,7 @@ def test_ece_small_when_calibrated_large_when_not():
     assert cal.ece(pred, calibrated) < 0.02
     overconfident = rng.random(pred.size) < 0.5 + 0.3 * (pred - 0.5)
     assert cal.ece(pred, overconfident) > 0.1
-    assert cal.ece(pred, rng.random(pred.size) < pred ** 3) > 0.15
+    assert cal.ece(pred, rng.random(pred.size) < pred**3) > 0.15
     # hand example: bin [0.2, 0.3) holds 0.2, 0.2 with labels 1, 0; bin [0.9, 1] holds 1.0 with 1
     assert cal.ece([0.2, 0.2, 1.0], [1, 0, 1]) == pytest.approx((2 * 0.3 + 0.0) / 3)
     r = cal.reliability_bins([0.2, 0.2, 1.0], [1, 0, 1])
@@ -101,18 +102,17 @@ def test_evaluate_on_a_known_model():
 def test_replay_predicts_before_it_observes():
     rng = np.random.default_rng(2)
     trace = synthetic_trace(rng, 40, 1.0, [0.5, 0.0, -0.5])
-    state = est.init(3, refit_interval=1)                   # refits after every call
+    state = est.init(3, refit_interval=1)  # refits after every call
     surv, final = cal.replay_online(trace, state, batch_rows=8)
     predict, observe = jax.jit(est.predict), jax.jit(est.observe)
-    _, first = predict(state, trace.features[:8])           # the first call: untouched state
+    _, first = predict(state, trace.features[:8])  # the first call: untouched state
     np.testing.assert_array_equal(surv[:8], np.asarray(first, np.float64))
     s1 = observe(state, trace.features[:8], trace.verified[:8], trace.accepted[:8])
     _, second = predict(s1, trace.features[8:16])
     np.testing.assert_allclose(surv[8:16], np.asarray(second, np.float64), rtol=1e-6)
     assert int(final.calls) == 5
     # a step index groups rows into calls instead of fixed chunks
-    stepped = cal.Trace(trace.features, trace.verified, trace.accepted,
-                        step=np.repeat(np.arange(4), [5, 15, 10, 10]))
+    stepped = cal.Trace(trace.features, trace.verified, trace.accepted, step=np.repeat(np.arange(4), [5, 15, 10, 10]))
     _, final = cal.replay_online(stepped, state)
     assert int(final.calls) == 4
 
@@ -129,9 +129,8 @@ def test_baseline_is_the_product_of_q_max():
 def test_trace_round_trip(tmp_path):
     rng = np.random.default_rng(3)
     t = synthetic_trace(rng, 50, 1.0, [0.3, 0.1, -0.2, -0.5], temperature=True)
-    path = tmp_path / "trace"                      # no suffix: written exactly there
-    cal.save_trace(path, t.features, t.verified, t.accepted, t.temperature,
-                   step=np.arange(50) // 7)
+    path = tmp_path / "trace"  # no suffix: written exactly there
+    cal.save_trace(path, t.features, t.verified, t.accepted, t.temperature, step=np.arange(50) // 7)
     back = cal.load_trace(path)
     np.testing.assert_array_equal(back.features, t.features)
     np.testing.assert_array_equal(back.verified, t.verified)
@@ -151,9 +150,9 @@ def test_trace_round_trip(tmp_path):
 def test_recorder_keeps_device_arrays_and_drops_idle_rows(tmp_path):
     rec = cal.TraceRecorder()
     rng = np.random.default_rng(4)
-    for i in range(3):
+    for _ in range(3):
         x = jnp.asarray(rng.normal(0, 1, (4, 3)), jnp.float32)
-        ver = jnp.asarray([3, 0, 2, 3], jnp.int32)          # slot 1 idle
+        ver = jnp.asarray([3, 0, 2, 3], jnp.int32)  # slot 1 idle
         acc = jnp.asarray([1, 0, 2, 3], jnp.int32)
         rec.add(x, ver, acc, jnp.asarray([0.0, 0.0, 1.0, 1.0]))
     t = rec.save(tmp_path / "rec.npz")

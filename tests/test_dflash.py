@@ -1,13 +1,14 @@
 """The DFlash draft against a float64 numpy forward with no cache."""
+
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 
 import jaxspec
-import oracle
 from jaxspec import dflash
 from jaxspec.config import DraftConfig
 
@@ -29,14 +30,16 @@ def _np_draft_logits(draft, target, ctx_hidden, anchor, ctx_len, window):
     for layer in p["layers"]:
         a = layer["attn"]
         xn = norm(x, layer["input_norm"])
-        kv = lambda h, pos: (oracle.rope(norm((h @ a["k"]).reshape(len(h), KVH, D), a["k_norm"]), pos, D, c.rope_theta),
-                             (h @ a["v"]).reshape(len(h), KVH, D))
+        kv = lambda h, pos: (
+            oracle.rope(norm((h @ a["k"]).reshape(len(h), KVH, D), a["k_norm"]), pos, D, c.rope_theta),
+            (h @ a["v"]).reshape(len(h), KVH, D),
+        )
         k_ctx, v_ctx = kv(ctx, ctx_pos)
         k_blk, v_blk = kv(xn, blk_pos)
         q = oracle.rope(norm((xn @ a["q"]).reshape(len(xn), H, D), a["q_norm"]), blk_pos, D, c.rope_theta)
         k = np.concatenate([k_ctx[lo:], k_blk])
         v = np.concatenate([v_ctx[lo:], v_blk])
-        o = oracle.attention(q, k, v, np.full(len(q), len(k) - 1))          # every query sees every key
+        o = oracle.attention(q, k, v, np.full(len(q), len(k) - 1))  # every query sees every key
         x = x + o.reshape(len(x), -1) @ a["o"]
         m = layer["mlp"]
         h = norm(x, layer["post_norm"])
@@ -52,9 +55,20 @@ def test_propose_matches_uncached_float64_forward(window, impl):
     """propose against the float64 forward; 'pallas' runs the block attention through the verify
     kernel (interpret mode here)."""
     target = jaxspec.load_target(FIXTURE)
-    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, block_size=5, target_layer_ids=(0, 2, 3),
-                         mask_token_id=511, target_hidden_size=64, context_window=window)
+    config = DraftConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        block_size=5,
+        target_layer_ids=(0, 2, 3),
+        mask_token_id=511,
+        target_hidden_size=64,
+        context_window=window,
+    )
     draft = dflash.init_draft(config, jax.random.PRNGKey(4))
     rng = np.random.default_rng(4)
     ctx_lens = np.array([9, 14])
@@ -66,12 +80,19 @@ def test_propose_matches_uncached_float64_forward(window, impl):
         pos = np.arange(lo, hi)
         rows = hidden[:, lo:hi].reshape(-1, 3, 64)
         valid = (pos[None, :] < ctx_lens[:, None]).reshape(-1)
-        state = dflash.write_context(draft, state, jnp.asarray(rows), jnp.asarray(np.tile(pos, 2)),
-                                     jnp.asarray(np.repeat(slots, hi - lo)), jnp.asarray(valid))
+        state = dflash.write_context(
+            draft,
+            state,
+            jnp.asarray(rows),
+            jnp.asarray(np.tile(pos, 2)),
+            jnp.asarray(np.repeat(slots, hi - lo)),
+            jnp.asarray(valid),
+        )
     anchors = np.array([7, 300], np.int32)
-    logits, _ = dflash.propose(draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens),
-                               impl=impl)
+    logits, _ = dflash.propose(
+        draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens), impl=impl
+    )
     assert logits.shape == (2, 4, 512)
     for r in range(2):
-        want = _np_draft_logits(draft, target, hidden[r, :ctx_lens[r]], anchors[r], ctx_lens[r], window)
+        want = _np_draft_logits(draft, target, hidden[r, : ctx_lens[r]], anchors[r], ctx_lens[r], window)
         oracle.assert_close(np.asarray(logits[r]), want, 1e-5, f"request {r}")

@@ -3,6 +3,7 @@ refit against an independent float64 numpy Newton step, the arrowhead solve agai
 solve, features against a float64 oracle, robustness to non-finite inputs, no host transfers,
 determinism, and replicated state on a sharded batch (4 CPU devices, in a subprocess).
 """
+
 import os
 import subprocess
 import sys
@@ -17,8 +18,10 @@ from jaxspec.ops import sampling
 from jaxspec.spec import estimator as est
 
 # the two forms of the feature: from the logits, and from the engine's draft distribution
-FEATURE_FORMS = {"logits": est.features,
-                 "distribution": lambda logits, t: est.distribution_features(sampling.draft_distribution(logits, t))}
+FEATURE_FORMS = {
+    "logits": est.features,
+    "distribution": lambda logits, t: est.distribution_features(sampling.draft_distribution(logits, t)),
+}
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -40,16 +43,18 @@ def gen(rng, calls, batch, slope, intercepts, mu=0.5, sd=2.0, full=0.75):
 def run_calls(state, x, verified, accepted):
     """observe once per leading index; returns the final state and the slope/intercepts after
     every call."""
+
     def body(s, inp):
         s = est.observe(s, *inp)
         return s, (s.slope, s.intercepts)
+
     return jax.lax.scan(body, state, (x, verified, accepted))
 
 
 def after_refits(traj, interval):
     """Coefficients right after each refit from a `run_calls` trajectory."""
     slopes, intercepts = (np.asarray(t) for t in traj)
-    return slopes[interval - 1::interval], intercepts[interval - 1::interval]
+    return slopes[interval - 1 :: interval], intercepts[interval - 1 :: interval]
 
 
 _observe = jax.jit(est.observe)
@@ -72,8 +77,9 @@ def np_stats(a, b, x, verified, accepted):
     p = 1.0 / (1.0 + np.exp(-(a * xs + b)))
     w = np.where(obs, p * (1 - p), 0.0)
     r = np.where(obs, np.nan_to_num(y) - p, 0.0)
-    return dict(h_xx=(w * xs * xs).sum(), h_x=(w * xs).sum(0), h_1=w.sum(0),
-                g_x=(r * xs).sum(), g_1=r.sum(0), n=int(obs.sum()))
+    return dict(
+        h_xx=(w * xs * xs).sum(), h_x=(w * xs).sum(0), h_1=w.sum(0), g_x=(r * xs).sum(), g_1=r.sum(0), n=int(obs.sum())
+    )
 
 
 def np_newton(a, b, st, ridge, damping):
@@ -109,10 +115,15 @@ def test_init_defaults_and_validation():
     assert int(s.calls) == 0 and int(s.n) == 0
     s = est.init(3, intercept=[0.1, 0.2, 0.3])
     np.testing.assert_allclose(np.asarray(s.intercepts), [0.1, 0.2, 0.3], rtol=1e-6)
-    for kwargs, field in [(dict(num_positions=0), "num_positions"), (dict(slope=-1.0), "slope"),
-                          (dict(refit_interval=0), "refit_interval"), (dict(ridge=0.0), "ridge"),
-                          (dict(damping=-1.0), "damping"), (dict(intercept=[1.0]), "intercept"),
-                          (dict(intercept=float("nan")), "intercept")]:
+    for kwargs, field in [
+        (dict(num_positions=0), "num_positions"),
+        (dict(slope=-1.0), "slope"),
+        (dict(refit_interval=0), "refit_interval"),
+        (dict(ridge=0.0), "ridge"),
+        (dict(damping=-1.0), "damping"),
+        (dict(intercept=[1.0]), "intercept"),
+        (dict(intercept=float("nan")), "intercept"),
+    ]:
         kwargs = {"num_positions": 4, **kwargs}
         with pytest.raises(ValueError, match=field):
             est.init(kwargs.pop("num_positions"), **kwargs)
@@ -121,7 +132,7 @@ def test_init_defaults_and_validation():
 def test_predict_survival_is_the_running_product():
     s = est.init(5, slope=0.8, intercept=[0.5, 0.2, 0.0, -0.3, -1.0])
     x = np.random.default_rng(0).normal(0, 3, (64, 5)).astype(np.float32)
-    x[0, 2] = np.nan                       # NaN feature: treated as least confident (-40)
+    x[0, 2] = np.nan  # NaN feature: treated as least confident (-40)
     x[1, 1] = np.inf
     p, surv = jax.jit(est.predict)(s, x)
     p, surv = np.asarray(p, np.float64), np.asarray(surv)
@@ -129,7 +140,7 @@ def test_predict_survival_is_the_running_product():
     ref = 1 / (1 + np.exp(-(0.8 * xr + np.array([0.5, 0.2, 0.0, -0.3, -1.0]))))
     np.testing.assert_allclose(p, ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(surv, np.cumprod(ref, -1), rtol=1e-5, atol=1e-7)
-    assert np.all(np.diff(surv, axis=-1) <= 0)        # exactly non-increasing along a row
+    assert np.all(np.diff(surv, axis=-1) <= 0)  # exactly non-increasing along a row
     assert np.all(np.isfinite(surv)) and surv[0, 2] < 1e-6
 
 
@@ -141,7 +152,7 @@ def test_recovers_true_slope_and_intercepts():
     b_true = [1.0, 0.6, 0.2, -0.2]
     x, v, a = gen(rng, 200, 4096, 1.0, b_true)
     state, traj = run_calls(est.init(4, refit_interval=25), x, v, a)
-    assert int(state.calls) == 200 and int(state.n) == 0       # 8 refits, statistics cleared
+    assert int(state.calls) == 200 and int(state.n) == 0  # 8 refits, statistics cleared
     slopes, _ = after_refits(traj, 25)
     assert abs(slopes[-1] - 1.0) < 0.05 and abs(slopes[-2] - 1.0) < 0.05
     np.testing.assert_allclose(np.asarray(state.intercepts), b_true, atol=0.05)
@@ -162,7 +173,7 @@ def test_converges_from_a_steep_slope_within_ten_refits():
 def test_no_signal_keeps_the_slope_small_and_non_negative(true_slope):
     rng = np.random.default_rng(3)
     x, v, a = gen(rng, 300, 1024, true_slope, [0.5, 0.0, -0.5, -1.0], mu=1.0)
-    state, traj = run_calls(est.init(4, refit_interval=25), x, v, a)   # default start a = 0.5
+    state, traj = run_calls(est.init(4, refit_interval=25), x, v, a)  # default start a = 0.5
     slopes, _ = after_refits(traj, 25)
     assert np.all(slopes >= 0), slopes
     assert 0.0 <= float(state.slope) <= 0.1, slopes
@@ -193,11 +204,11 @@ def test_one_refit_is_one_damped_newton_step(case):
     rng = np.random.default_rng(5)
     P, B = 5, 300
     b0 = [0.3, 0.1, -0.1, -0.2, -0.4]
-    if case == "plain":        # data slope 1.2 from a = 0.7: an ordinary step
+    if case == "plain":  # data slope 1.2 from a = 0.7: an ordinary step
         a0, x, v, acc = 0.7, *(t[0] for t in gen(rng, 1, B, 1.2, b0))
-    elif case == "halved":     # data slope -1 from a = 0.05: the step is halved until a >= 0
+    elif case == "halved":  # data slope -1 from a = 0.05: the step is halved until a >= 0
         a0, x, v, acc = 0.05, *(t[0] for t in gen(rng, 1, B, -1.0, b0))
-    else:                      # from a = 0 a negative step can never be taken: dropped
+    else:  # from a = 0 a negative step can never be taken: dropped
         a0, x, v, acc = 0.0, *(t[0] for t in gen(rng, 1, B, -1.0, b0))
     state = est.init(P, slope=a0, intercept=b0, refit_interval=1)
     a32 = float(state.slope)
@@ -210,7 +221,7 @@ def test_one_refit_is_one_damped_newton_step(case):
         assert a32 + full_step[0] < 0
     if case == "dropped":
         assert a_ref == a32
-    new = _observe(state, x, v, acc)              # refit_interval = 1: refits on this call
+    new = _observe(state, x, v, acc)  # refit_interval = 1: refits on this call
     assert int(new.n) == 0 and float(new.h_xx) == 0.0
     np.testing.assert_allclose(float(new.slope), a_ref, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new.intercepts), b_ref, atol=1e-5)
@@ -241,7 +252,7 @@ def np_features(logits, temperature):
         p = np.exp(z - z.max())
         p /= p.sum()
         i = int(np.argmax(p))
-        rest = np.delete(p, i).sum()            # 1 - q_max as the sum of the others
+        rest = np.delete(p, i).sum()  # 1 - q_max as the sum of the others
         out[idx] = np.log(p[i]) - np.log(rest) if rest > 0 else np.inf
     return np.clip(out, -40, 40)
 
@@ -252,12 +263,12 @@ def test_features_match_a_float64_oracle(form):
     rng = np.random.default_rng(7)
     B, P, V = 4, 6, 50
     logits = rng.normal(0, 2, (B, P, V)).astype(np.float32)
-    logits[0, 0, 3] = 30.0            # q_max = 1 - ~1e-11: rounds to 1 in float32
-    logits[0, 1, 7] = 14.0            # q_max near 1, still resolvable in float32 terms
-    logits[0, 2, :] = 0.0             # uniform: logit(1/50) = -log 49
-    logits[1, 0, 5] = logits[1, 0, 9] = 20.0   # a tie at the maximum: logit(~1/2) ~ 0
-    logits[2, 3, 1] = 60.0            # clamps at +40
-    temperature = np.array([0.0, 0.7, 1.0, 2.5], np.float32)   # row 0 greedy -> temperature 1
+    logits[0, 0, 3] = 30.0  # q_max = 1 - ~1e-11: rounds to 1 in float32
+    logits[0, 1, 7] = 14.0  # q_max near 1, still resolvable in float32 terms
+    logits[0, 2, :] = 0.0  # uniform: logit(1/50) = -log 49
+    logits[1, 0, 5] = logits[1, 0, 9] = 20.0  # a tie at the maximum: logit(~1/2) ~ 0
+    logits[2, 3, 1] = 60.0  # clamps at +40
+    temperature = np.array([0.0, 0.7, 1.0, 2.5], np.float32)  # row 0 greedy -> temperature 1
     x = np.asarray(jax.jit(fn)(logits, temperature), np.float64)
     ref = np_features(logits, temperature)
     np.testing.assert_allclose(x, ref, rtol=1e-5, atol=2e-5)
@@ -267,23 +278,23 @@ def test_features_match_a_float64_oracle(form):
     np.testing.assert_allclose(x[0, 2], -np.log(49), rtol=1e-6)
     # naive log q - log(1 - q) in float32 loses the near-1 case entirely
     q = jax.nn.softmax(jnp.asarray(logits[0, 0])).max()
-    assert not np.isfinite(float(jnp.log(q) - jnp.log1p(-q))) or abs(
-        float(jnp.log(q) - jnp.log1p(-q)) - ref[0, 0]) > 1.0
+    assert (
+        not np.isfinite(float(jnp.log(q) - jnp.log1p(-q))) or abs(float(jnp.log(q) - jnp.log1p(-q)) - ref[0, 0]) > 1.0
+    )
 
 
 def test_features_edge_cases():
     feats = jax.jit(est.features)
-    one = feats(jnp.zeros((2, 3, 1)), jnp.ones(2))             # V = 1: q_max = 1
+    one = feats(jnp.zeros((2, 3, 1)), jnp.ones(2))  # V = 1: q_max = 1
     np.testing.assert_array_equal(np.asarray(one), np.full((2, 3), 40.0, np.float32))
     bad = np.zeros((1, 2, 8), np.float32)
     bad[0, 0, 2] = np.nan
-    x = np.asarray(feats(bad, 1.0))                              # scalar temperature
+    x = np.asarray(feats(bad, 1.0))  # scalar temperature
     assert np.isnan(x[0, 0]) and np.isclose(x[0, 1], -np.log(7))
     masked = np.full((1, 1, 8), -np.inf, np.float32)
-    masked[0, 0, :2] = [1.0, 0.0]                                        # vocab masking
+    masked[0, 0, :2] = [1.0, 0.0]  # vocab masking
     np.testing.assert_allclose(np.asarray(feats(masked, 1.0)), [[1.0]], rtol=1e-6)
-    bf = feats(jnp.asarray(np.random.default_rng(0).normal(0, 1, (3, 4, 16)), jnp.bfloat16),
-                      jnp.zeros(3))
+    bf = feats(jnp.asarray(np.random.default_rng(0).normal(0, 1, (3, 4, 16)), jnp.bfloat16), jnp.zeros(3))
     assert bf.dtype == jnp.float32 and bf.shape == (3, 4)
 
 
@@ -293,9 +304,9 @@ def test_features_special_rows(form):
     both forms bit for bit the same."""
     rng = np.random.default_rng(9)
     logits = rng.normal(0, 3, (3, 5, 1001)).astype(np.float32)
-    logits[0, 0, 17] = np.inf             # q_max = 1: clamps at +40
-    logits[0, 1, [3, 900]] = np.inf       # two tied maxima: logit(1/2) = 0
-    logits[0, 2, :] = -np.inf             # all tied: logit(1/1001) = -log 1000
+    logits[0, 0, 17] = np.inf  # q_max = 1: clamps at +40
+    logits[0, 1, [3, 900]] = np.inf  # two tied maxima: logit(1/2) = 0
+    logits[0, 2, :] = -np.inf  # all tied: logit(1/1001) = -log 1000
     logits[0, 3, 5] = np.nan
     logits[1, 4, :500] = -np.inf
     temperature = np.array([1.0, 0.3, 0.0], np.float32)
@@ -306,6 +317,7 @@ def test_features_special_rows(form):
     np.testing.assert_allclose(x[0, 4], np_features(logits[:1, 4:], temperature[:1])[0, 0], rtol=1e-5, atol=2e-5)
     np.testing.assert_allclose(x[1:], np_features(logits[1:], temperature[1:]), rtol=1e-5, atol=2e-5)
 
+
 # ------------------------------------------------------------------------ non-finite input
 
 
@@ -313,7 +325,7 @@ def test_nonfinite_features_contribute_nothing():
     rng = np.random.default_rng(8)
     x, v, acc = (t[0] for t in gen(rng, 1, 200, 1.0, [0.5, 0.2, -0.1, -0.4]))
     bad = x.copy()
-    bad[3, :] = np.nan                           # a whole row
+    bad[3, :] = np.nan  # a whole row
     bad[10, 0], bad[11, 2], bad[12, 1] = np.inf, -np.inf, np.nan
     state = est.init(4)
     got = _observe(state, bad, v, acc)
@@ -330,8 +342,9 @@ def test_nonfinite_features_contribute_nothing():
     without = _observe(state, np.delete(x, 3, 0), np.delete(v, 3), np.delete(acc, 3))
     assert int(with_row.n) == int(without.n)
     for name in ("h_xx", "h_x", "h_1", "g_x", "g_1"):
-        np.testing.assert_allclose(np.asarray(getattr(with_row, name)),
-                                   np.asarray(getattr(without, name)), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(getattr(with_row, name)), np.asarray(getattr(without, name)), rtol=1e-6, atol=1e-6
+        )
     only_row = _observe(state, row_nan[3:4], v[3:4], acc[3:4])
     assert int(only_row.n) == 0 and float(only_row.h_xx) == 0.0 and float(only_row.g_x) == 0.0
 
@@ -340,12 +353,12 @@ def test_poisoned_batches_never_make_coefficients_non_finite():
     rng = np.random.default_rng(9)
     x, v, acc = gen(rng, 40, 64, 1.0, [0.5, 0.2, -0.1, -0.4])
     x = x.copy()
-    x[5] = np.nan                                            # a batch of NaN features
+    x[5] = np.nan  # a batch of NaN features
     x[9] = np.inf
-    x[13] = 1e30                                             # huge but finite
+    x[13] = 1e30  # huge but finite
     x[17, :, 1] = -3e38
     v, acc = v.copy(), acc.copy()
-    v[21], acc[21] = 10**6, -7                               # garbage counts
+    v[21], acc[21] = 10**6, -7  # garbage counts
     v[22], acc[22] = -3, 10**6
     state, traj = run_calls(est.init(4, refit_interval=4), x, v, acc)
     assert np.all(np.isfinite(np.asarray(traj[0]))) and np.all(np.isfinite(np.asarray(traj[1])))
@@ -367,8 +380,9 @@ def test_runs_jitted_with_no_host_transfer():
     P, V, B = 4, 32, 8
     ver_np = rng.integers(0, P + 1, (3, B)).astype(np.int32)
     acc_np = np.minimum(rng.integers(0, P + 1, (3, B)), ver_np).astype(np.int32)
-    steps = [jax.device_put((rng.normal(0, 2, (B, P, V)).astype(np.float32), ver_np[i], acc_np[i]),
-                            dev) for i in range(3)]
+    steps = [
+        jax.device_put((rng.normal(0, 2, (B, P, V)).astype(np.float32), ver_np[i], acc_np[i]), dev) for i in range(3)
+    ]
     temp = jax.device_put(np.array([0.0, 0.5, 1.0, 1.0, 0.0, 2.0, 1.0, 0.7], np.float32), dev)
     state = jax.device_put(est.init(P, refit_interval=2), dev)
 
@@ -379,7 +393,7 @@ def test_runs_jitted_with_no_host_transfer():
         return est.observe(state, x, ver, acc), surv
 
     with jax.transfer_guard("disallow"):
-        for logits, ver, acc in steps:           # the second call refits (selected on the counter)
+        for logits, ver, acc in steps:  # the second call refits (selected on the counter)
             state, surv = step(state, logits, temp, ver, acc)
     assert int(state.calls) == 3 and surv.shape == (B, P)
     assert np.all(np.isfinite(np.asarray(state.intercepts)))
@@ -390,7 +404,7 @@ def test_same_inputs_give_bit_identical_coefficients():
     x, v, a = gen(rng, 60, 256, 0.9, [0.7, 0.3, -0.1])
     runs = []
     for _ in range(2):
-        fn = jax.jit(lambda s, x, v, a: run_calls(s, x, v, a))    # a fresh compile each time
+        fn = jax.jit(lambda s, x, v, a: run_calls(s, x, v, a))  # a fresh compile each time
         state, _ = fn(est.init(3, refit_interval=20), x, v, a)
         runs.append(jax.tree_util.tree_map(np.asarray, state))
     for l0, l1 in zip(jax.tree_util.tree_leaves(runs[0]), jax.tree_util.tree_leaves(runs[1])):
@@ -441,11 +455,11 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_batch_keeps_state_replicated():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SHARDED OK" in proc.stdout

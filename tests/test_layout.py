@@ -27,8 +27,8 @@ def test_tiers(batch, block, num_tiers):
 
 def test_tiers_values():
     assert tiers(8, 16) == ((8, 24, 56, 128), (0, 16, 48, 120))
-    assert tiers(4, 8) == ((4, 8, 16, 32), (0, 4, 12, 28))      # 4 * 8**(1/3) is 8 up to rounding: not 16
-    assert tiers(1, 16) == ((1, 8, 16), (0, 7, 15))              # the two middle tiers both round to 8
+    assert tiers(4, 8) == ((4, 8, 16, 32), (0, 4, 12, 28))  # 4 * 8**(1/3) is 8 up to rounding: not 16
+    assert tiers(1, 16) == ((1, 8, 16), (0, 7, 15))  # the two middle tiers both round to 8
     assert tiers(3, 2) == ((3, 6), (0, 3))
     assert tiers(4, 8, 1) == ((32,), (28,))
     assert tiers(5, 1) == ((5,), (0,))
@@ -64,10 +64,10 @@ def packed_jit(lengths, anchors, drafts, slots, tier):
 
 def random_case(rng, b, d):
     lengths = rng.integers(0, d + 1, size=b).astype(np.int32)
-    lengths[rng.integers(b)] = d                    # the max
-    lengths[rng.integers(b)] = 0                    # an anchor-only window
+    lengths[rng.integers(b)] = d  # the max
+    lengths[rng.integers(b)] = 0  # an anchor-only window
     slots = rng.permutation(np.arange(1, b + 1)).astype(np.int32)
-    slots[rng.random(b) < 0.3] = 0                  # null-slot requests (their lengths need not be 0)
+    slots[rng.random(b) < 0.3] = 0  # null-slot requests (their lengths need not be 0)
     anchors = rng.integers(1, 1000, size=b).astype(np.int32)
     drafts = rng.integers(1, 1000, size=(b, d)).astype(np.int32)
     return lengths, anchors, drafts, slots
@@ -82,7 +82,7 @@ def test_packed_layout(b, block):
         lengths, anchors, drafts, slots = random_case(rng, b, d)
         need = int(np.where(slots > 0, lengths + 1, 0).sum())
         tier = tier_tokens[tier_for(need, tier_tokens)]
-        for t in {tier, tier_tokens[-1]}:           # the smallest tier that holds it, and the largest (more padding)
+        for t in {tier, tier_tokens[-1]}:  # the smallest tier that holds it, and the largest (more padding)
             tokens, qsl, out_slots = packed_jit(lengths, anchors, drafts, slots, tier=t)
             want_tokens, want_qsl = numpy_packed(lengths, anchors, drafts, slots, t)
             np.testing.assert_array_equal(tokens, want_tokens, f"case {case} tier {t}")
@@ -137,8 +137,9 @@ def test_dense_layout():
             np.testing.assert_array_equal(x, y)
         tier = tiers(b, block)[0][-2] if len(tiers(b, block)[0]) > 1 else b
         if tier >= int((lengths + 1).sum()):
-            for x, y in zip(step_layout(lengths, anchors, drafts, slots, tier),
-                            packed_layout(lengths, anchors, drafts, slots, tier)):
+            for x, y in zip(
+                step_layout(lengths, anchors, drafts, slots, tier), packed_layout(lengths, anchors, drafts, slots, tier)
+            ):
                 np.testing.assert_array_equal(x, y)
         # unpack of the dense layout is a reshape
         np.testing.assert_array_equal(unpack_rows(tokens, qsl, block), np.asarray(tokens).reshape(b, block))
@@ -157,5 +158,5 @@ def test_unpack_rows_trailing_dims():
     qsl = np.asarray(qsl)
     for r in range(b):
         n = qsl[r + 1] - qsl[r]
-        np.testing.assert_array_equal(rows[r, :n], x[qsl[r]:qsl[r + 1]])
+        np.testing.assert_array_equal(rows[r, :n], x[qsl[r] : qsl[r + 1]])
         assert not rows[r, n:].any()

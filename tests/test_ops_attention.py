@@ -1,8 +1,8 @@
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from jaxspec.ops.attention import attention_block, attention_prefill, attention_verify, kv_write
 from jaxspec.ops.packing import to_packed, to_padded
 
@@ -23,14 +23,13 @@ def test_attention_prefill(heads):
     assert o.shape == q.shape
     for b, n in enumerate(lengths):
         if n:
-            oracle.assert_close(o[b, :n], oracle.attention(q[b, :n], k[b, :n], v[b, :n], np.arange(n)),
-                                TOL, f"o[{b}]")
+            oracle.assert_close(o[b, :n], oracle.attention(q[b, :n], k[b, :n], v[b, :n], np.arange(n)), TOL, f"o[{b}]")
         assert not o[b, n:].any(), f"rows past length of request {b} must be 0"
 
 
 # (slot, window length); slot 0 is a padding request, slot 3's window ends at the cache's end.
 REQUESTS = [(2, 4), (0, 3), (1, 5), (3, 5), (4, 0)]
-SEQ_LENS = np.array([7, 0, 12, 19, 3], np.int32)      # committed tokens per slot
+SEQ_LENS = np.array([7, 0, 12, 19, 3], np.int32)  # committed tokens per slot
 S1, M, T_MAX, N_PAD = 5, 24, 5, 2
 
 
@@ -48,16 +47,16 @@ def test_kv_write_attention_verify(heads):
     kc = (rng.standard_normal((S1, M, KVH, D)) * 30).astype(np.float32)
     vc = (rng.standard_normal((S1, M, KVH, D)) * 30).astype(np.float32)
     for s in range(S1):
-        kc[s, :SEQ_LENS[s]] /= 30
-        vc[s, :SEQ_LENS[s]] /= 30
+        kc[s, : SEQ_LENS[s]] /= 30
+        vc[s, : SEQ_LENS[s]] /= 30
 
     kc2, vc2 = kv_write(*map(jnp.asarray, (kc, vc, k, v, SEQ_LENS, qsl, slots)))
     kc2, vc2 = np.asarray(kc2), np.asarray(vc2)
     exp_kc, exp_vc = kc.copy(), vc.copy()
     for r, (s, n) in enumerate(REQUESTS):
         if s:
-            exp_kc[s, SEQ_LENS[s]:SEQ_LENS[s] + n] = k[qsl[r]:qsl[r + 1]]
-            exp_vc[s, SEQ_LENS[s]:SEQ_LENS[s] + n] = v[qsl[r]:qsl[r + 1]]
+            exp_kc[s, SEQ_LENS[s] : SEQ_LENS[s] + n] = k[qsl[r] : qsl[r + 1]]
+            exp_vc[s, SEQ_LENS[s] : SEQ_LENS[s] + n] = v[qsl[r] : qsl[r + 1]]
     np.testing.assert_array_equal(kc2, exp_kc, "k_cache'")
     np.testing.assert_array_equal(vc2, exp_vc, "v_cache'")
 
@@ -69,9 +68,8 @@ def test_kv_write_attention_verify(heads):
             assert not o[rows].any(), "slot-0 request must output 0"
         elif n:
             pos = SEQ_LENS[s] + np.arange(n)
-            oracle.assert_close(o[rows], oracle.attention(q[rows], exp_kc[s], exp_vc[s], pos), TOL,
-                                f"o of request {r}")
-    assert not o[qsl[-1]:].any(), "padding rows must output 0"
+            oracle.assert_close(o[rows], oracle.attention(q[rows], exp_kc[s], exp_vc[s], pos), TOL, f"o of request {r}")
+    assert not o[qsl[-1] :].any(), "padding rows must output 0"
 
 
 # draft blocks: (slot, context length); slot 0 is a padding request, slot 3's block ends at M - 1
@@ -99,17 +97,17 @@ def test_attention_block(window, impl):
     vc = np.full(shape, np.nan, np.float32)
     kc[1] = rng.standard_normal(shape[1:])
     vc[1] = rng.standard_normal(shape[1:])
-    if impl == "ref":                            # the reference masks the whole cache: finite garbage
+    if impl == "ref":  # the reference masks the whole cache: finite garbage
         kc, vc = np.nan_to_num(kc, nan=30.0), np.nan_to_num(vc, nan=30.0)
     else:
         for s, n in BLOCK_REQUESTS:
-            kc[1, s, n + BLOCK_T:] = vc[1, s, n + BLOCK_T:] = np.nan
+            kc[1, s, n + BLOCK_T :] = vc[1, s, n + BLOCK_T :] = np.nan
     o, kc2, vc2 = attention_block(*map(jnp.asarray, (q, kc, vc, ctx, slots, kb, vb)), window, layer=1, impl=impl)
     o, kc2, vc2 = map(np.asarray, (o, kc2, vc2))
     exp_kc, exp_vc = kc.copy(), vc.copy()
     for r, (s, n) in enumerate(BLOCK_REQUESTS):
         if s:
-            exp_kc[1, s, n:n + BLOCK_T], exp_vc[1, s, n:n + BLOCK_T] = kb[r], vb[r]
+            exp_kc[1, s, n : n + BLOCK_T], exp_vc[1, s, n : n + BLOCK_T] = kb[r], vb[r]
     np.testing.assert_array_equal(kc2, exp_kc, "k_cache'")
     np.testing.assert_array_equal(vc2, exp_vc, "v_cache'")
     assert o.shape == q.shape
@@ -140,14 +138,14 @@ def test_packing_round_trip(layout):
     qsl = oracle.qsl_from_lengths(lengths)
     N, B = qsl[-1] + pad, len(lengths)
     rng = np.random.default_rng(7)
-    x = rng.standard_normal((N, 3, 2)).astype(np.float32) + 10     # nonzero everywhere
+    x = rng.standard_normal((N, 3, 2)).astype(np.float32) + 10  # nonzero everywhere
 
     xp, valid = to_padded(jnp.asarray(x), jnp.asarray(qsl), t_max)
     xp, valid = np.asarray(xp), np.asarray(valid)
     exp_xp = np.zeros((B, t_max, 3, 2), np.float32)
     exp_valid = np.zeros((B, t_max), bool)
     for r, n in enumerate(lengths):
-        exp_xp[r, :n] = x[qsl[r]:qsl[r + 1]]
+        exp_xp[r, :n] = x[qsl[r] : qsl[r + 1]]
         exp_valid[r, :n] = True
     np.testing.assert_array_equal(valid, exp_valid)
     np.testing.assert_array_equal(xp, exp_xp)
@@ -156,5 +154,5 @@ def test_packing_round_trip(layout):
     xp_dirty = np.where(exp_valid[..., None, None], exp_xp, 99.0).astype(np.float32)
     back = np.asarray(to_packed(jnp.asarray(xp_dirty), jnp.asarray(qsl), N))
     exp_back = x.copy()
-    exp_back[qsl[-1]:] = 0
+    exp_back[qsl[-1] :] = 0
     np.testing.assert_array_equal(back, exp_back)

@@ -1,8 +1,8 @@
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from jaxspec.ops.conv import conv_commit, conv_prefill, conv_verify
 
 W = 4
@@ -43,7 +43,7 @@ def test_conv_verify_commit(C, accept):
     N = qsl[-1] + N_PAD
     w = (rng.standard_normal((C, W)) * 0.5).astype(np.float32)
     x = rng.standard_normal((N, C)).astype(np.float32)
-    state = rng.standard_normal((S1, W - 1, C)).astype(np.float32)   # slot 0, 2: garbage
+    state = rng.standard_normal((S1, W - 1, C)).astype(np.float32)  # slot 0, 2: garbage
     hist = {}
     for s, _, p in REQUESTS:
         if s:
@@ -51,8 +51,15 @@ def test_conv_verify_commit(C, accept):
             state[s] = oracle.last_inputs(hist[s], W - 1)
     window = rng.standard_normal((S1, T_MAX, C)).astype(np.float32)  # stale contents
 
-    y, window2 = conv_verify(jnp.asarray(x), jnp.asarray(state), jnp.asarray(window), jnp.asarray(w),
-                             jnp.asarray(qsl), jnp.asarray(slots), impl="ref")
+    y, window2 = conv_verify(
+        jnp.asarray(x),
+        jnp.asarray(state),
+        jnp.asarray(window),
+        jnp.asarray(w),
+        jnp.asarray(qsl),
+        jnp.asarray(slots),
+        impl="ref",
+    )
     y, window2 = np.asarray(y), np.asarray(window2)
 
     exp_window = window.copy()
@@ -65,19 +72,22 @@ def test_conv_verify_commit(C, accept):
         if n:
             full = oracle.causal_conv(np.concatenate([hist[s], x[rows]]), w)
             oracle.assert_close(y[rows], full[p:], TOL, f"y of request {r}")
-    assert not y[qsl[-1]:].any(), "padding rows must output 0"
+    assert not y[qsl[-1] :].any(), "padding rows must output 0"
     np.testing.assert_array_equal(oracle.bits(window2), oracle.bits(exp_window), "conv_window'")
 
     # commit: requests with at least the anchor; the slot-0 request too (must write nothing)
     live = [r for r, (s, n, p) in enumerate(REQUESTS) if n > 0]
     acc = {"none": lambda n: 0, "all": lambda n: n - 1, "mixed": lambda n: n // 2}[accept]
     num_acc = np.array([acc(lens[r]) for r in live], np.int32)
-    state2 = np.asarray(conv_commit(jnp.asarray(state), jnp.asarray(window2), jnp.asarray(slots[live]),
-                                    jnp.asarray(num_acc), impl="ref"))
+    state2 = np.asarray(
+        conv_commit(
+            jnp.asarray(state), jnp.asarray(window2), jnp.asarray(slots[live]), jnp.asarray(num_acc), impl="ref"
+        )
+    )
     exp_state = state.copy()
     for r, a in zip(live, num_acc):
         s = slots[r]
         if s:
-            accepted = np.concatenate([hist[s], x[qsl[r]:qsl[r] + a + 1]])
+            accepted = np.concatenate([hist[s], x[qsl[r] : qsl[r] + a + 1]])
             exp_state[s] = oracle.last_inputs(accepted, W - 1)
     np.testing.assert_array_equal(oracle.bits(state2), oracle.bits(exp_state), "conv_state'")

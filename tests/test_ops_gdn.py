@@ -3,14 +3,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from jaxspec.ops.gdn import gating, gdn_chunked, gdn_fold, gdn_recurrent, gdn_verify, l2norm
 
 H, HV, K, V = 2, 6, 16, 8
 TOL = 1e-5
-TOL_BF16_RING = 1e-4   # the ring holds bf16 keys and a (hi, lo) pair for u
+TOL_BF16_RING = 1e-4  # the ring holds bf16 keys and a (hi, lo) pair for u
 
 bf16 = jnp.bfloat16
 
@@ -26,7 +26,7 @@ def round_bf16(x):
 def split_hi_lo(u):
     u = np.asarray(u, np.float32)
     hi = u.astype(bf16)
-    with np.errstate(invalid="ignore"):   # inf - inf in dead records
+    with np.errstate(invalid="ignore"):  # inf - inf in dead records
         lo = (u - hi.astype(np.float32)).astype(bf16)
     return hi, lo
 
@@ -42,7 +42,7 @@ def decays(rng, shape, decay):
 
 def tokens(rng, lead, decay="mild"):
     """Normalised q̂, k̂ and v, g, beta with leading shape `lead`."""
-    q = f32(oracle.l2n(rng.standard_normal(lead + (H, K))) * K ** -0.5)
+    q = f32(oracle.l2n(rng.standard_normal(lead + (H, K))) * K**-0.5)
     k = f32(oracle.l2n(rng.standard_normal(lead + (H, K))))
     v = f32(rng.standard_normal(lead + (HV, V)))
     g = decays(rng, lead + (HV,), decay)
@@ -51,6 +51,7 @@ def tokens(rng, lead, decay="mild"):
 
 
 # ------------------------------------------------------------------------------ small pieces
+
 
 def test_l2norm():
     x = np.random.default_rng(0).standard_normal((3, 5, K)).astype(np.float32)
@@ -96,7 +97,7 @@ def test_gdn_recurrent(T, decay):
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
 def test_gdn_chunked(T, decay):
     rng = np.random.default_rng(200 + T)
-    lengths = np.array([T, 2 * T // 3], np.int32)          # T=1 gives an empty request
+    lengths = np.array([T, 2 * T // 3], np.int32)  # T=1 gives an empty request
     q, k, v, g, beta = tokens(rng, (2, T), decay)
     h0 = f32(rng.standard_normal((2, HV, K, V)) * 0.5)
     o, h = _chunked(q, k, v, g, beta, h0, lengths)
@@ -127,7 +128,7 @@ def test_gdn_chunked_no_lengths():
 # ------------------------------------------------------------------------------ fold
 
 S1_FOLD, L = 5, 16
-NUM_RECORDS = np.array([0, 0, 5, L, 1], np.int32)   # slot 0 (null), empty, partial, full, one
+NUM_RECORDS = np.array([0, 0, 5, L, 1], np.int32)  # slot 0 (null), empty, partial, full, one
 
 
 def fold_case(rng, ring, layers):
@@ -136,7 +137,7 @@ def fold_case(rng, ring, layers):
     rk = f32(oracle.l2n(rng.standard_normal(lead + (S1_FOLD, H, L, K))))
     ru = f32(rng.standard_normal(lead + (S1_FOLD, HV, L, V)))
     rg = f32(-oracle.softplus(rng.standard_normal(lead + (S1_FOLD, HV, L))))
-    dead = np.arange(L) >= NUM_RECORDS[:, None]          # [S1, L]: records j >= m
+    dead = np.arange(L) >= NUM_RECORDS[:, None]  # [S1, L]: records j >= m
     dead_rec = dead[:, None, :, None]
     rk, ru = np.where(dead_rec, np.nan, rk), np.where(dead_rec, np.inf, ru)
     rg = np.where(dead[:, None, :], np.nan, rg)
@@ -153,8 +154,11 @@ _fold = jax.jit(functools.partial(gdn_fold, impl="ref"))
 
 
 @pytest.mark.parametrize("layers", [None, 3], ids=["no-layer-axis", "3-layers"])
-@pytest.mark.parametrize("ring,ckpt_dtype", [("f32", "f32"), ("bf16-hilo", "f32"), ("bf16-hilo", "bf16")],
-                         ids=["f32-ring", "hilo-ring", "hilo-ring-bf16-ckpt"])
+@pytest.mark.parametrize(
+    "ring,ckpt_dtype",
+    [("f32", "f32"), ("bf16-hilo", "f32"), ("bf16-hilo", "bf16")],
+    ids=["f32-ring", "hilo-ring", "hilo-ring-bf16-ckpt"],
+)
 def test_gdn_fold(ring, ckpt_dtype, layers):
     rng = np.random.default_rng(400)
     ckpt, rk, ru, u_exact, rg = fold_case(rng, ring, layers)
@@ -168,8 +172,9 @@ def test_gdn_fold(ring, ckpt_dtype, layers):
         for s, m in enumerate(NUM_RECORDS):
             at = idx + (s,)
             if m == 0:
-                np.testing.assert_array_equal(oracle.bits(out[at]), oracle.bits(ckpt[at]),
-                                              f"slot {at} with no records must be unchanged")
+                np.testing.assert_array_equal(
+                    oracle.bits(out[at]), oracle.bits(ckpt[at]), f"slot {at} with no records must be unchanged"
+                )
                 continue
             exp = oracle.gdn_fold(ckpt[at], rk[at], u_exact[at], rg[at], m)
             oracle.assert_close(out[at], exp, tol, f"ckpt' {at}")
@@ -230,8 +235,9 @@ def run_verify(args):
 
 
 @pytest.mark.parametrize("ring", ["f32", "bf16-hilo"])
-@pytest.mark.parametrize("hist,decay", [(h, "mild") for h in WRITE_POS] + [("mixed", "strong")],
-                         ids=list(WRITE_POS) + ["mixed-strong"])
+@pytest.mark.parametrize(
+    "hist,decay", [(h, "mild") for h in WRITE_POS] + [("mixed", "strong")], ids=list(WRITE_POS) + ["mixed-strong"]
+)
 def test_gdn_verify(hist, decay, ring):
     args, u_exact = verify_case(500, hist, ring, decay)
     q, k, v, g, beta, ckpt, rk, ring_u, rg, write_pos, qsl, slots = args
@@ -258,29 +264,32 @@ def test_gdn_verify(hist, decay, ring):
         exp_rg[s, :, pos] = g[rows].T
         written[s, pos] = True
         oracle.assert_close(u2[s, :, pos], eu.transpose(1, 0, 2), tol, f"ring_u' of request {r}")
-    assert not o[qsl[-1]:].any(), "padding rows must output 0"
+    assert not o[qsl[-1] :].any(), "padding rows must output 0"
 
     # keys and gates are copies (exact); u elsewhere than the new records is bit-identical
     np.testing.assert_array_equal(oracle.bits(rk2), oracle.bits(exp_rk), "ring_k'")
     np.testing.assert_array_equal(oracle.bits(rg2), oracle.bits(exp_rg), "ring_g'")
     keep = ~written[:, None, :]
     if ring == "f32":
-        np.testing.assert_array_equal(oracle.bits(ru2)[np.broadcast_to(keep, ru2.shape[:3])],
-                                      oracle.bits(ring_u)[np.broadcast_to(keep, ru2.shape[:3])],
-                                      "ring_u' outside the new records")
+        np.testing.assert_array_equal(
+            oracle.bits(ru2)[np.broadcast_to(keep, ru2.shape[:3])],
+            oracle.bits(ring_u)[np.broadcast_to(keep, ru2.shape[:3])],
+            "ring_u' outside the new records",
+        )
     else:
         hi, lo = ru2
         sel = np.broadcast_to(keep, hi.shape[:3])
         for new, old, name in ((hi, ring_u[0], "hi"), (lo, ring_u[1], "lo")):
-            np.testing.assert_array_equal(oracle.bits(new)[sel], oracle.bits(old)[sel],
-                                          f"ring_u' {name} outside the new records")
+            np.testing.assert_array_equal(
+                oracle.bits(new)[sel], oracle.bits(old)[sel], f"ring_u' {name} outside the new records"
+            )
         # a compensated pair: lo is the bf16 residual of hi
         w = np.broadcast_to(written[:, None, :, None], hi.shape)
         hi64, lo64 = hi.astype(np.float64)[w], lo.astype(np.float64)[w]
-        assert np.all(np.abs(lo64) <= 2.0 ** -8 * np.abs(hi64) + 1e-30), "lo is not a residual of hi"
+        assert np.all(np.abs(lo64) <= 2.0**-8 * np.abs(hi64) + 1e-30), "lo is not a residual of hi"
 
 
-POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
+POISON_REQ, POISON_T = 0, 2  # request 0 (slot 3, 5 tokens): poison its window token 2
 
 
 @pytest.fixture(scope="module")
@@ -323,14 +332,14 @@ def test_gdn_verify_fold_chained(ring, policy):
     for step in range(CHAIN_STEPS):
         lens = rng.integers(1, CHAIN_T + 1, 2)
         qsl = oracle.qsl_from_lengths(lens)
-        q, k, v, g, beta = tokens(rng, (2 * CHAIN_T + 1,))      # fixed N: one compile
+        q, k, v, g, beta = tokens(rng, (2 * CHAIN_T + 1,))  # fixed N: one compile
         if ring != "f32":
             k = round_bf16(k)
         acc = [int(rng.integers(0, n)) for n in lens]
         clean = (q, k, v, g, beta)
         v_in = v.copy()
         for r, n in enumerate(lens):
-            if acc[r] + 1 < n and rng.random() < 0.3:   # poison a rejected draft
+            if acc[r] + 1 < n and rng.random() < 0.3:  # poison a rejected draft
                 v_in[qsl[r] + acc[r] + 1] = np.nan
         o, rk, ru, rg = verify(q, k, v_in, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots)
         o = np.asarray(o)

@@ -1,8 +1,8 @@
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
 from jaxspec.ops.rope import apply_rope
 
@@ -10,7 +10,7 @@ EPS = 1e-6
 # bf16 in -> bf16 out: one rounding of the result (2^-8 relative) on top of f32 math.
 TOL = {"f32": 1e-5, "bf16": 8e-3}
 DTYPE = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-REF = {"impl": "ref"}   # the contract's impl switch (every reference op takes it)
+REF = {"impl": "ref"}  # the contract's impl switch (every reference op takes it)
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

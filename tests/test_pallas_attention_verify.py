@@ -7,15 +7,16 @@ rows must be finite and match, slot-0 and padding rows must be exactly 0. The ca
 every position no request may read (past each slot's last window position, other slots, the null
 slot), so a read past the loop bound or of an overhanging block shows up as NaN.
 """
+
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from gpu_lowering import lower_for_h200
+
 from jaxspec.ops.attention import attention_verify as op_attention_verify
 from jaxspec.pallas import attention_verify as pav
 
@@ -40,13 +41,18 @@ def make_case(rng, lengths, slots, seq_lens, Hq, KVH, D, M, t_max, dtype, n_pad=
     readable = np.zeros((s1, M), bool)
     for r, s in enumerate(slots):
         if s > 0 and lengths[r] > 0:
-            readable[s, first_key(seq_lens[s], key_window):seq_lens[s] + lengths[r]] = True
+            readable[s, first_key(seq_lens[s], key_window) : seq_lens[s] + lengths[r]] = True
     bad = np.nan if poison else 30.0
     k = np.where(readable[:, :, None, None], k, k * 30 if not poison else bad).astype(np.float32)
     v = np.where(readable[:, :, None, None], v, v * 30 if not poison else bad).astype(np.float32)
-    return dict(q=jnp.asarray(q, dtype), k_cache=jnp.asarray(k, dtype), v_cache=jnp.asarray(v, dtype),
-                seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl, jnp.int32),
-                slots=jnp.asarray(slots))
+    return dict(
+        q=jnp.asarray(q, dtype),
+        k_cache=jnp.asarray(k, dtype),
+        v_cache=jnp.asarray(v, dtype),
+        seq_lens=jnp.asarray(seq_lens),
+        query_start_loc=jnp.asarray(qsl, jnp.int32),
+        slots=jnp.asarray(slots),
+    )
 
 
 def first_key(seq_len, key_window):
@@ -70,15 +76,17 @@ def check(case, o, tol, causal=True, key_window=0):
         elif n:
             lo = first_key(seq[s], key_window)
             pos = seq[s] - lo + (np.arange(n) if causal else np.full(n, n - 1))
-            oracle.assert_close(o[rows], oracle.attention(q[rows], k[s, lo:], v[s, lo:], pos), tol,
-                                f"o of request {r}")
-    assert np.all(o[qsl[-1]:] == 0), "padding rows must output 0"
+            oracle.assert_close(o[rows], oracle.attention(q[rows], k[s, lo:], v[s, lo:], pos), tol, f"o of request {r}")
+    assert np.all(o[qsl[-1] :] == 0), "padding rows must output 0"
 
 
 def run_kernel(case, t_max, config=None, interpret=None, causal=True, key_window=0):
     nan_o = jnp.full(case["q"].shape, jnp.nan, case["q"].dtype)
-    fn = jax.jit(lambda c, ob: pav.attention_verify(**c, t_max=t_max, config=config, interpret=interpret,
-                                                    o_buffer=ob, causal=causal, key_window=key_window))
+    fn = jax.jit(
+        lambda c, ob: pav.attention_verify(
+            **c, t_max=t_max, config=config, interpret=interpret, o_buffer=ob, causal=causal, key_window=key_window
+        )
+    )
     return fn(case, nan_o)
 
 
@@ -89,7 +97,7 @@ def run_kernel(case, t_max, config=None, interpret=None, causal=True, key_window
 M, T_MAX = 100, 16
 LENGTHS = [5, 16, 1, 3, 0, 16, 3]
 SLOTS = [1, 4, 2, 0, 5, 3, 6]
-SEQ_LENS = [9, 11, 0, 77, 84, 50, 96]          # per slot 0..6
+SEQ_LENS = [9, 11, 0, 77, 84, 50, 96]  # per slot 0..6
 
 
 def small_case(dtype, heads, D, seed, poison=True, n_pad=5):
@@ -99,15 +107,16 @@ def small_case(dtype, heads, D, seed, poison=True, n_pad=5):
     return make_case(rng, LENGTHS, SLOTS, seq, Hq, KVH, D, M, T_MAX, dtype, n_pad=n_pad, poison=poison)
 
 
-CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)                         # M = 100: overhanging last block
+CFG_SINGLE = pav.AttentionVerifyConfig(block_k=32)  # M = 100: overhanging last block
 CFG_SPLIT = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, combine_block_d=32)
 CFG_WIDE_SPLIT = pav.AttentionVerifyConfig(block_k=64, num_splits=2, num_stages=3)
 CFG_BF16_PARTIALS = pav.AttentionVerifyConfig(block_k=16, num_splits=3, min_split=16, partial_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)],
-                         ids=["gqa6-d64", "mha-d256", "gqa6-d256"])
+@pytest.mark.parametrize(
+    "heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)], ids=["gqa6-d64", "mha-d256", "gqa6-d256"]
+)
 def test_verify_interpret(heads, D, dtype):
     """One split per program (the kernel writes o itself), three splits merged by the combine, and
     two 64-key splits (the long-split block size; M = 100: the second split's block overhangs)."""
@@ -125,8 +134,9 @@ def test_verify_interpret_bf16_partials(dtype):
     o_bf16 = run_kernel(case, T_MAX, CFG_BF16_PARTIALS, interpret=True)
     check(case, o_bf16, TOL[jnp.bfloat16])
     o_f32 = run_kernel(case, T_MAX, dataclasses.replace(CFG_BF16_PARTIALS, partial_dtype="float32"), interpret=True)
-    oracle.assert_close(np.asarray(o_bf16.astype(jnp.float32)), np.asarray(o_f32.astype(jnp.float32)), 8e-3,
-                        "bf16 against f32 partials")
+    oracle.assert_close(
+        np.asarray(o_bf16.astype(jnp.float32)), np.asarray(o_f32.astype(jnp.float32)), 8e-3, "bf16 against f32 partials"
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -153,7 +163,7 @@ def test_verify_interpret_all_null_and_padding():
 # a slot-0 request; key windows that cut the context (9), exceed it (200) or are off (0).
 BLOCK_T, BLOCK_M = 7, 90
 BLOCK_SLOTS = [3, 1, 0, 4, 2]
-BLOCK_SEQ = [0, 40, 0, 13, 83]                 # per slot 0..4; slot 4 reads up to M - 1
+BLOCK_SEQ = [0, 40, 0, 13, 83]  # per slot 0..4; slot 4 reads up to M - 1
 
 
 @pytest.mark.parametrize("key_window", [0, 9, 200], ids=["all-keys", "window9", "window200"])
@@ -162,8 +172,9 @@ def test_block_interpret(dtype, key_window):
     """The draft block's bidirectional mask and sliding key window, one split and three splits,
     NaN-poisoned keys outside each request's range."""
     rng = np.random.default_rng(101 + key_window)
-    case = make_case(rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0,
-                     key_window=key_window)
+    case = make_case(
+        rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0, key_window=key_window
+    )
     for cfg in (CFG_SINGLE, CFG_SPLIT):
         o = run_kernel(case, BLOCK_T, cfg, interpret=True, causal=False, key_window=key_window)
         check(case, o, TOL[dtype], causal=False, key_window=key_window)
@@ -182,7 +193,7 @@ def test_dispatch_matches_reference():
     o_ref = jax.jit(lambda c: op_attention_verify(**c, t_max=T_MAX, impl="ref"))(case)
     o_k = jax.jit(lambda c: op_attention_verify(**c, t_max=T_MAX, impl="pallas"))(case)
     np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_ref), rtol=2e-5, atol=2e-5)
-    assert np.all(np.asarray(o_k)[np.asarray(case["query_start_loc"])[-1]:] == 0)
+    assert np.all(np.asarray(o_k)[np.asarray(case["query_start_loc"])[-1] :] == 0)
 
 
 @pytest.mark.parametrize("cfg", [CFG_SINGLE, CFG_SPLIT], ids=["one-split", "three-splits"])
@@ -190,17 +201,17 @@ def test_layer_stack(cfg):
     """With `layer`, the kernel reads that layer of the [A, S1, M, KVH, D] stacks: bit-identical to
     the call on the layer's own cache; the other layers (NaN everywhere) are never read. The
     reference path takes the same arguments."""
-    case = small_case(jnp.float32, (6, 2), 32, seed=21, poison=False)    # the reference reads all of M
+    case = small_case(jnp.float32, (6, 2), 32, seed=21, poison=False)  # the reference reads all of M
     nan = jnp.full_like(case["k_cache"], jnp.nan)
-    stacked = dict(case, k_cache=jnp.stack([nan, nan, case["k_cache"]]),
-                   v_cache=jnp.stack([nan, case["v_cache"], nan]))
+    stacked = dict(case, k_cache=jnp.stack([nan, nan, case["k_cache"]]), v_cache=jnp.stack([nan, case["v_cache"], nan]))
     stacked["v_cache"] = stacked["v_cache"].at[2].set(case["v_cache"])
     run = jax.jit(lambda c: pav.attention_verify(**c, t_max=T_MAX, config=cfg, interpret=True, layer=2))
     single = run_kernel(case, T_MAX, cfg, interpret=True)
     np.testing.assert_array_equal(oracle.bits(np.asarray(run(stacked))), oracle.bits(np.asarray(single)))
     traced = jax.jit(lambda c, i: pav.attention_verify(**c, t_max=T_MAX, config=cfg, interpret=True, layer=i))
-    np.testing.assert_array_equal(oracle.bits(np.asarray(traced(stacked, jnp.int32(2)))),
-                                  oracle.bits(np.asarray(single)), "traced layer index")
+    np.testing.assert_array_equal(
+        oracle.bits(np.asarray(traced(stacked, jnp.int32(2)))), oracle.bits(np.asarray(single)), "traced layer index"
+    )
     check(case, single, TOL[jnp.float32])
     assert pav.supports(**stacked, t_max=T_MAX, layer=2)
     assert not pav.supports(**stacked, t_max=T_MAX, layer=3) and not pav.supports(**stacked, t_max=T_MAX)
@@ -209,54 +220,81 @@ def test_layer_stack(cfg):
 
 
 def test_config_validation():
-    for field, bad in [("block_k", 100), ("block_k", 8), ("block_k", 512), ("num_splits", 0),
-                       ("num_splits", 513), ("min_split", 24), ("min_split", 8), ("target_programs", 0),
-                       ("block_d", 8), ("block_d", 48), ("num_warps", 3), ("num_stages", 0), ("num_stages", 5),
-                       ("combine_block_d", 48),
-                       ("combine_warps", 32), ("partial_dtype", "float16")]:
+    for field, bad in [
+        ("block_k", 100),
+        ("block_k", 8),
+        ("block_k", 512),
+        ("num_splits", 0),
+        ("num_splits", 513),
+        ("min_split", 24),
+        ("min_split", 8),
+        ("target_programs", 0),
+        ("block_d", 8),
+        ("block_d", 48),
+        ("num_warps", 3),
+        ("num_stages", 0),
+        ("num_stages", 5),
+        ("combine_block_d", 48),
+        ("combine_warps", 32),
+        ("partial_dtype", "float16"),
+    ]:
         with pytest.raises(ValueError, match=field):
             pav.AttentionVerifyConfig(**{field: bad})
     cfg = pav.AttentionVerifyConfig()
     # the benchmark shape (T 8, GQA 6 -> 64 rows, D 256): batch 64 fills the SMs without splitting
     plan = cfg.resolve(64, 4, 4112, 64, 256, jnp.bfloat16)
     assert (plan["block_k"], plan["num_splits"], plan["num_warps"], plan["num_stages"]) == (16, 1, 4, 4)
-    assert cfg.resolve(1, 4, 32784, 64, 256, jnp.bfloat16)["num_splits"] == 33      # 132 programs
-    split = cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)             # splits of >= 512 keys: 64 keys x 3
-    assert (split["block_k"], split["num_stages"], split["num_splits"]) == (64, 3, 4)     # 128 programs
-    short = cfg.resolve(8, 4, 1040, 64, 256, jnp.bfloat16)                         # 260-key splits: 32 x 3
+    assert cfg.resolve(1, 4, 32784, 64, 256, jnp.bfloat16)["num_splits"] == 33  # 132 programs
+    split = cfg.resolve(8, 4, 4112, 64, 256, jnp.bfloat16)  # splits of >= 512 keys: 64 keys x 3
+    assert (split["block_k"], split["num_stages"], split["num_splits"]) == (64, 3, 4)  # 128 programs
+    short = cfg.resolve(8, 4, 1040, 64, 256, jnp.bfloat16)  # 260-key splits: 32 x 3
     assert (short["block_k"], short["num_stages"], short["num_splits"]) == (32, 3, 4)
-    assert cfg.resolve(2, 1, 32784, 128, 256, jnp.bfloat16)["block_k"] == 32       # 128-row tile: shared memory
-    assert cfg.resolve(1, 4, 1040, 64, 256, jnp.bfloat16)["num_splits"] == 17      # 64-key splits (min_split)
-    assert cfg.resolve(1, 4, 300, 64, 256, jnp.bfloat16)["num_splits"] == 5         # capped by M / min_split
+    assert cfg.resolve(2, 1, 32784, 128, 256, jnp.bfloat16)["block_k"] == 32  # 128-row tile: shared memory
+    assert cfg.resolve(1, 4, 1040, 64, 256, jnp.bfloat16)["num_splits"] == 17  # 64-key splits (min_split)
+    assert cfg.resolve(1, 4, 300, 64, 256, jnp.bfloat16)["num_splits"] == 5  # capped by M / min_split
     f32 = cfg.resolve(2, 2, 100, 128, 256, jnp.float32)
     assert (f32["block_k"], f32["block_d"], f32["num_stages"], f32["num_warps"]) == (16, 32, 1, 16)
-    assert cfg.resolve(2, 2, 100, 16, 80, jnp.float32)["block_d"] == 16                # chunks inside D
-    assert cfg.resolve(2, 2, 100, 16, 72, jnp.float32)["block_d"] == 128               # one masked chunk
+    assert cfg.resolve(2, 2, 100, 16, 80, jnp.float32)["block_d"] == 16  # chunks inside D
+    assert cfg.resolve(2, 2, 100, 16, 72, jnp.float32)["block_d"] == 128  # one masked chunk
     assert cfg.resolve(2, 2, 100, 16, 80, jnp.bfloat16)["block_d"] == 128
-    assert split["partial_dtype"] == jnp.bfloat16 and f32["partial_dtype"] == jnp.float32     # the input's
-    assert pav.AttentionVerifyConfig(partial_dtype="float32").resolve(8, 4, 1040, 64, 256, jnp.bfloat16)[
-        "partial_dtype"] == jnp.float32
-    assert pav.combine_tile_rows(64, 33, 64) == 2                                   # 64 x 2 x 64 tile
-    assert pav.combine_tile_rows(64, 66, 64) == 1                                   # 128 x 1 x 64
+    assert split["partial_dtype"] == jnp.bfloat16 and f32["partial_dtype"] == jnp.float32  # the input's
+    assert (
+        pav.AttentionVerifyConfig(partial_dtype="float32").resolve(8, 4, 1040, 64, 256, jnp.bfloat16)["partial_dtype"]
+        == jnp.float32
+    )
+    assert pav.combine_tile_rows(64, 33, 64) == 2  # 64 x 2 x 64 tile
+    assert pav.combine_tile_rows(64, 66, 64) == 1  # 128 x 1 x 64
 
 
 def test_supports():
     S = jax.ShapeDtypeStruct
-    ok = dict(q=S((16, 24, 256), jnp.bfloat16), k_cache=S((5, 100, 4, 256), jnp.bfloat16),
-              v_cache=S((5, 100, 4, 256), jnp.bfloat16), seq_lens=S((5,), jnp.int32),
-              query_start_loc=S((3,), jnp.int32), slots=S((2,), jnp.int32), t_max=16)
+    ok = dict(
+        q=S((16, 24, 256), jnp.bfloat16),
+        k_cache=S((5, 100, 4, 256), jnp.bfloat16),
+        v_cache=S((5, 100, 4, 256), jnp.bfloat16),
+        seq_lens=S((5,), jnp.int32),
+        query_start_loc=S((3,), jnp.int32),
+        slots=S((2,), jnp.int32),
+        t_max=16,
+    )
     assert pav.supports(**ok)
-    assert pav.supports(**{**ok, "q": S((16, 24, 256), jnp.float32), "k_cache": S((5, 100, 4, 256), jnp.float32),
-                           "v_cache": S((5, 100, 4, 256), jnp.float32)})
+    assert pav.supports(
+        **{
+            **ok,
+            "q": S((16, 24, 256), jnp.float32),
+            "k_cache": S((5, 100, 4, 256), jnp.float32),
+            "v_cache": S((5, 100, 4, 256), jnp.float32),
+        }
+    )
     bad = [
         ("q", S((16, 24, 256), jnp.float16)),
-        ("q", S((16, 24, 256), jnp.float32)),                 # dtypes differ from the caches
-        ("q", S((16, 22, 256), jnp.bfloat16)),                # Hq not a multiple of KVH
+        ("q", S((16, 24, 256), jnp.float32)),  # dtypes differ from the caches
+        ("q", S((16, 22, 256), jnp.bfloat16)),  # Hq not a multiple of KVH
         ("k_cache", S((5, 100, 4, 128), jnp.bfloat16)),
         ("v_cache", S((5, 101, 4, 256), jnp.bfloat16)),
         ("seq_lens", S((4,), jnp.int32)),
         ("query_start_loc", S((2,), jnp.int32)),
-        ("t_max", 22),                                        # 22 * 6 rows > 128
+        ("t_max", 22),  # 22 * 6 rows > 128
         ("t_max", 0),
     ]
     for name, val in bad:
@@ -267,9 +305,13 @@ def test_supports():
 
 # (B, T, Hq, KVH, D, M, dtype): the benchmark shape; batch 1 at 32k (split + combine); batch 128 at
 # 32k (caches > 4 GB: 64-bit offsets); fp32 at t_max 16 (128-row tile, 16 warps); D 80.
-BENCH_SHAPES = [(64, 8, 24, 4, 256, 4096, jnp.bfloat16), (1, 8, 24, 4, 256, 32784, jnp.bfloat16),
-                (128, 8, 24, 4, 256, 32784, jnp.bfloat16), (3, 16, 24, 4, 256, 100, jnp.float32),
-                (5, 5, 4, 2, 80, 1000, jnp.float32)]
+BENCH_SHAPES = [
+    (64, 8, 24, 4, 256, 4096, jnp.bfloat16),
+    (1, 8, 24, 4, 256, 32784, jnp.bfloat16),
+    (128, 8, 24, 4, 256, 32784, jnp.bfloat16),
+    (3, 16, 24, 4, 256, 100, jnp.float32),
+    (5, 5, 4, 2, 80, 1000, jnp.float32),
+]
 
 
 @pytest.mark.parametrize("B,T,Hq,KVH,D,M,dtype", BENCH_SHAPES)
@@ -279,9 +321,15 @@ def test_lowers_for_h200(B, T, Hq, KVH, D, M, dtype):
     def fn(q, kc, vc, sl, qsl, slots):
         return pav.attention_verify(q, kc, vc, sl, qsl, slots, T, interpret=False)
 
-    text = lower_for_h200(fn, S((B * T, Hq, D), dtype), S((B + 1, M, KVH, D), dtype),
-                          S((B + 1, M, KVH, D), dtype), S((B + 1,), jnp.int32), S((B + 1,), jnp.int32),
-                          S((B,), jnp.int32))
+    text = lower_for_h200(
+        fn,
+        S((B * T, Hq, D), dtype),
+        S((B + 1, M, KVH, D), dtype),
+        S((B + 1, M, KVH, D), dtype),
+        S((B + 1,), jnp.int32),
+        S((B + 1,), jnp.int32),
+        S((B,), jnp.int32),
+    )
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -290,10 +338,15 @@ def test_layer_stack_lowers_for_h200():
     S = jax.ShapeDtypeStruct
     B, T, M = 64, 8, 4112
     cache = S((16, B + 1, M, 4, 256), jnp.bfloat16)
-    text = lower_for_h200(lambda q, kc, vc, sl, qsl, slots: pav.attention_verify(q, kc, vc, sl, qsl, slots, T,
-                                                                                  interpret=False, layer=15),
-                          S((B * T, 24, 256), jnp.bfloat16), cache, cache, S((B + 1,), jnp.int32),
-                          S((B + 1,), jnp.int32), S((B,), jnp.int32))
+    text = lower_for_h200(
+        lambda q, kc, vc, sl, qsl, slots: pav.attention_verify(q, kc, vc, sl, qsl, slots, T, interpret=False, layer=15),
+        S((B * T, 24, 256), jnp.bfloat16),
+        cache,
+        cache,
+        S((B + 1,), jnp.int32),
+        S((B + 1,), jnp.int32),
+        S((B,), jnp.int32),
+    )
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -303,8 +356,9 @@ def test_layer_stack_lowers_for_h200():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)],
-                         ids=["gqa6-d64", "mha-d256", "gqa6-d256"])
+@pytest.mark.parametrize(
+    "heads,D", [((12, 2), 64), ((2, 2), 256), ((6, 1), 256)], ids=["gqa6-d64", "mha-d256", "gqa6-d256"]
+)
 def test_verify_gpu_small(heads, D, dtype):
     """The interpret-mode cases, compiled (NaN-poisoned caches and output), against the oracle."""
     case = small_case(dtype, heads, D, seed=D + heads[0])
@@ -339,7 +393,7 @@ def device_case(seed, B, T, M, Hq=24, KVH=4, D=256, dtype=jnp.bfloat16, null_eve
     readable = np.zeros((B + 1, M), bool)
     for r, s in enumerate(slots):
         if s:
-            readable[s, :seq[s] + lengths[r]] = True
+            readable[s, : seq[s] + lengths[r]] = True
     qsl = oracle.qsl_from_lengths(lengths)
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (int(qsl[-1]) + n_pad, Hq, D), dtype)
@@ -357,27 +411,36 @@ def check_device(garbage, poisoned, t_max, config=None, tol=1.5e-2):
     written, exact zeros on slot-0 and padding rows, and close to the jnp reference."""
     o_g = np.asarray(run_kernel(garbage, t_max, config).astype(jnp.float32))
     o_n = np.asarray(run_kernel(poisoned, t_max, config).astype(jnp.float32))
-    o_ref = np.asarray(jax.jit(lambda c: op_attention_verify(**c, t_max=t_max, impl="ref"))(garbage)
-                       .astype(jnp.float32))
+    o_ref = np.asarray(
+        jax.jit(lambda c: op_attention_verify(**c, t_max=t_max, impl="ref"))(garbage).astype(jnp.float32)
+    )
     np.testing.assert_array_equal(oracle.bits(o_n), oracle.bits(o_g), "poisoned vs garbage caches")
     qsl, slots = np.asarray(garbage["query_start_loc"]), np.asarray(garbage["slots"])
     real = np.zeros(o_g.shape[0], bool)
     for r, s in enumerate(slots):
         if s:
-            real[qsl[r]:qsl[r + 1]] = True
+            real[qsl[r] : qsl[r + 1]] = True
     assert np.all(o_g[~real] == 0), "slot-0 and padding rows must output 0"
     oracle.assert_close(o_g[real], o_ref[real], tol, "kernel vs reference")
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,M,cfg", [
-    (64, 4096 - 5, None), (3, 4096 - 5, None), (1, 20000, None), (40, 1000, None),
-    (64, 4096 - 5, dict(block_k=32, num_stages=3)), (64, 4096 - 5, dict(num_warps=4)),
-    (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
-    (8, 3000, dict(num_splits=7, min_split=64, partial_dtype="float32")),
-    (1, 20000, dict(partial_dtype="float32"))],
-    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "split7-f32-partials", "b1-20k-f32-partials"])
+@pytest.mark.parametrize(
+    "B,M,cfg",
+    [
+        (64, 4096 - 5, None),
+        (3, 4096 - 5, None),
+        (1, 20000, None),
+        (40, 1000, None),
+        (64, 4096 - 5, dict(block_k=32, num_stages=3)),
+        (64, 4096 - 5, dict(num_warps=4)),
+        (8, 3000, dict(num_splits=7, min_split=64, combine_block_d=128)),
+        (8, 3000, dict(num_splits=7, min_split=64, partial_dtype="float32")),
+        (1, 20000, dict(partial_dtype="float32")),
+    ],
+    ids=["b64", "b3", "b1-20k", "b40-1k", "bk32-s3", "w4", "split7", "split7-f32-partials", "b1-20k-f32-partials"],
+)
 def test_verify_gpu_bench_heads(B, M, cfg):
     """Benchmark heads (24 q / 4 kv, D 256, bf16, T 8): random windows and contexts; the split
     cases store bfloat16 partials (the default for bf16 input) unless they ask for float32."""
@@ -392,11 +455,17 @@ def test_verify_gpu_bench_heads(B, M, cfg):
 def test_block_gpu_small(dtype, key_window):
     """The interpret-mode draft-block cases, compiled."""
     rng = np.random.default_rng(101 + key_window)
-    case = make_case(rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0,
-                     key_window=key_window)
+    case = make_case(
+        rng, [BLOCK_T] * 5, BLOCK_SLOTS, BLOCK_SEQ, 8, 2, 32, BLOCK_M, BLOCK_T, dtype, n_pad=0, key_window=key_window
+    )
     for cfg in (None, CFG_SPLIT):
-        check(case, run_kernel(case, BLOCK_T, cfg, causal=False, key_window=key_window), TOL[dtype],
-              causal=False, key_window=key_window)
+        check(
+            case,
+            run_kernel(case, BLOCK_T, cfg, causal=False, key_window=key_window),
+            TOL[dtype],
+            causal=False,
+            key_window=key_window,
+        )
 
 
 @gpu
@@ -426,8 +495,9 @@ def test_verify_gpu_f32_large():
 def test_dispatch_gpu():
     """impl='pallas' reaches the kernel on the GPU and matches the reference; impl='auto' takes the kernel."""
     garbage, _ = device_case(4, 16, 8, 2048, null_every=4)
-    run = lambda impl: np.asarray(jax.jit(lambda c: op_attention_verify(**c, t_max=8, impl=impl))(garbage)
-                                  .astype(jnp.float32))
+    run = lambda impl: np.asarray(
+        jax.jit(lambda c: op_attention_verify(**c, t_max=8, impl=impl))(garbage).astype(jnp.float32)
+    )
     o_ref, o_pallas, o_auto = run("ref"), run("pallas"), run("auto")
     oracle.assert_close(o_pallas, o_ref, 1.5e-2, "pallas")
     np.testing.assert_array_equal(oracle.bits(o_auto), oracle.bits(o_pallas), "auto")
@@ -443,7 +513,7 @@ def test_layer_stack_gpu():
     stacked = dict(garbage, k_cache=stack(garbage["k_cache"]), v_cache=stack(garbage["v_cache"]))
     for cfg in (None, pav.AttentionVerifyConfig(num_splits=3, min_split=64)):
         single = np.asarray(run_kernel(garbage, 8, cfg).astype(jnp.float32))
-        layered = np.asarray(jax.jit(lambda c: pav.attention_verify(**c, t_max=8, config=cfg, layer=1))(stacked)
-                             .astype(jnp.float32))
+        layered = np.asarray(
+            jax.jit(lambda c: pav.attention_verify(**c, t_max=8, config=cfg, layer=1))(stacked).astype(jnp.float32)
+        )
         np.testing.assert_array_equal(oracle.bits(layered), oracle.bits(single), "layer 1 of the stack")
-

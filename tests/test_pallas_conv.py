@@ -6,13 +6,14 @@ Every output the contract says is written is checked after poisoning it with NaN
 kernel's y_buffer alias, conv_window through its own alias); every entry it says is untouched is
 checked bit for bit (NaN poison included).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from gpu_lowering import lower_for_h200
+
 from jaxspec.ops.conv import conv_verify as op_conv_verify
 from jaxspec.pallas import conv as pconv
 
@@ -21,8 +22,9 @@ ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
-def make_case(rng, lengths, slots, C, t_max, dtype, n_pad=3, s1=None, state_dtype=None,
-              window_dtype=None, poison_window=False):
+def make_case(
+    rng, lengths, slots, C, t_max, dtype, n_pad=3, s1=None, state_dtype=None, window_dtype=None, poison_window=False
+):
     """Random packed verify inputs. Stale window contents are random, or NaN when poisoned."""
     lengths = np.asarray(lengths)
     slots = np.asarray(slots, np.int32)
@@ -68,7 +70,7 @@ def check(case, y, window2, tol):
         exp_window[s, :n] = np.asarray(case["x"][rows].astype(window.dtype))
         if n:
             oracle.assert_close(y[rows], oracle.causal_conv(x[rows], w, history=state[s]), tol, f"y of request {r}")
-    assert np.all(y[qsl[-1]:] == 0), "padding rows must output 0"
+    assert np.all(y[qsl[-1] :] == 0), "padding rows must output 0"
     np.testing.assert_array_equal(oracle.bits(window2), oracle.bits(exp_window), "conv_window'")
 
 
@@ -111,8 +113,17 @@ def test_verify_interpret_mixed_dtypes_and_row_groups():
     """f32 state (rounded to bf16 like the reference), f32 window of bf16 inputs; loads issued in
     groups of 2 rows; padding zeroed 2 rows at a time over several programs."""
     rng = np.random.default_rng(7)
-    case = make_case(rng, [6, 1, 3], [2, 3, 1], C=40, t_max=6, dtype=jnp.bfloat16, n_pad=9,
-                     state_dtype=jnp.float32, window_dtype=jnp.float32)
+    case = make_case(
+        rng,
+        [6, 1, 3],
+        [2, 3, 1],
+        C=40,
+        t_max=6,
+        dtype=jnp.bfloat16,
+        n_pad=9,
+        state_dtype=jnp.float32,
+        window_dtype=jnp.float32,
+    )
     cfg = pconv.ConvVerifyConfig(block_c=32, num_warps=1, pad_rows=2, row_group=2)
     y, window2 = run_kernel(case, config=cfg, interpret=True)
     check(case, y, window2, TOL[jnp.bfloat16])
@@ -124,8 +135,7 @@ def test_verify_interpret_requests_per_program(rpp):
     T_max, padding shared over fewer programs."""
     rng = np.random.default_rng(20 + rpp)
     lengths, slots = LAYOUTS["ragged"]
-    case = make_case(rng, lengths + [5], slots + [5], C=100, t_max=5, dtype=jnp.bfloat16, n_pad=6,
-                     poison_window=True)
+    case = make_case(rng, lengths + [5], slots + [5], C=100, t_max=5, dtype=jnp.bfloat16, n_pad=6, poison_window=True)
     cfg = pconv.ConvVerifyConfig(block_c=64, num_warps=1, requests_per_program=rpp, pad_rows=2)
     y, window2 = run_kernel(case, config=cfg, interpret=True)
     check(case, y, window2, TOL[jnp.bfloat16])
@@ -151,32 +161,44 @@ def test_dispatch_matches_reference():
 
 
 def test_config_validation():
-    for field, bad in [("block_c", 100), ("block_c", 8), ("num_warps", 3), ("pad_rows", 3), ("row_group", 0),
-                       ("requests_per_program", 0), ("requests_per_program", 17)]:
+    for field, bad in [
+        ("block_c", 100),
+        ("block_c", 8),
+        ("num_warps", 3),
+        ("pad_rows", 3),
+        ("row_group", 0),
+        ("requests_per_program", 0),
+        ("requests_per_program", 17),
+    ]:
         with pytest.raises(ValueError, match=field):
             pconv.ConvVerifyConfig(**{field: bad})
     cfg = pconv.ConvVerifyConfig()
-    assert cfg.resolve(128, 10240, 2) == (512, 4, 1)     # the tiles measured fastest on an H200
+    assert cfg.resolve(128, 10240, 2) == (512, 4, 1)  # the tiles measured fastest on an H200
     assert cfg.resolve(32, 10240, 2) == (512, 4, 1)
     assert cfg.resolve(8, 10240, 2) == (128, 1, 1)
     assert cfg.resolve(1, 10240, 2) == (64, 1, 1)
     assert cfg.resolve(128, 10240, 4) == (512, 8, 1)
     assert cfg.resolve(4, 37, 4)[0] == 64
     assert pconv.ConvVerifyConfig(requests_per_program=4).resolve(128, 10240, 2, 8)[2] == 4
-    assert pconv.ConvVerifyConfig(requests_per_program=4).resolve(128, 10240, 2, 64)[2] == 1   # T > row_group
+    assert pconv.ConvVerifyConfig(requests_per_program=4).resolve(128, 10240, 2, 64)[2] == 1  # T > row_group
     assert pconv.ConvVerifyConfig(requests_per_program=4).resolve(3, 10240, 2, 8)[2] == 3
 
 
 def test_supports():
     S = jax.ShapeDtypeStruct
-    ok = dict(x=S((16, 37), jnp.bfloat16), conv_state=S((5, 3, 37), jnp.bfloat16),
-              conv_window=S((5, 8, 37), jnp.bfloat16), weight=S((37, 4), jnp.bfloat16),
-              query_start_loc=S((3,), jnp.int32), slots=S((2,), jnp.int32))
+    ok = dict(
+        x=S((16, 37), jnp.bfloat16),
+        conv_state=S((5, 3, 37), jnp.bfloat16),
+        conv_window=S((5, 8, 37), jnp.bfloat16),
+        weight=S((37, 4), jnp.bfloat16),
+        query_start_loc=S((3,), jnp.int32),
+        slots=S((2,), jnp.int32),
+    )
     assert pconv.supports_conv_verify(**ok)
     bad = [
         ("x", S((16, 37), jnp.float16)),
-        ("conv_window", S((5, 65, 37), jnp.bfloat16)),       # T_max > 64
-        ("conv_state", S((5, 2, 37), jnp.bfloat16)),         # W-1 mismatch
+        ("conv_window", S((5, 65, 37), jnp.bfloat16)),  # T_max > 64
+        ("conv_state", S((5, 2, 37), jnp.bfloat16)),  # W-1 mismatch
         ("weight", S((36, 4), jnp.bfloat16)),
         ("query_start_loc", S((2,), jnp.int32)),
     ]
@@ -187,8 +209,10 @@ def test_supports():
 def stack_layers(case, layer, num_layers=3):
     """The case's conv_state and conv_window as layer `layer` of [G, ...] stacks whose other
     layers are NaN (a read of another layer poisons the outputs)."""
+
     def stack(a):
         return jnp.stack([a if i == layer else jnp.full_like(a, jnp.nan) for i in range(num_layers)])
+
     return dict(case, conv_state=stack(case["conv_state"]), conv_window=stack(case["conv_window"]))
 
 
@@ -208,17 +232,19 @@ def test_layer_stack(rpp):
     np.testing.assert_array_equal(oracle.bits(np.asarray(y)), oracle.bits(np.asarray(y1)), "y")
     np.testing.assert_array_equal(oracle.bits(np.asarray(w[1])), oracle.bits(np.asarray(w1)), "layer 1 window")
     for other in (0, 2):
-        np.testing.assert_array_equal(oracle.bits(np.asarray(w[other])),
-                                      oracle.bits(np.asarray(stacked["conv_window"][other])), f"layer {other}")
+        np.testing.assert_array_equal(
+            oracle.bits(np.asarray(w[other])), oracle.bits(np.asarray(stacked["conv_window"][other])), f"layer {other}"
+        )
     traced = jax.jit(lambda c, i: pconv.conv_verify(**c, config=config, interpret=True, layer=i))
-    y_t, w_t = traced(stacked, jnp.int32(1))                   # one kernel for every layer of the stack
+    y_t, w_t = traced(stacked, jnp.int32(1))  # one kernel for every layer of the stack
     np.testing.assert_array_equal(oracle.bits(np.asarray(y_t)), oracle.bits(np.asarray(y)), "y, traced layer")
     np.testing.assert_array_equal(oracle.bits(np.asarray(w_t)), oracle.bits(np.asarray(w)), "window, traced layer")
     assert pconv.supports_conv_verify(**stacked, layer=2)
     assert not pconv.supports_conv_verify(**stacked, layer=3) and not pconv.supports_conv_verify(**stacked)
     y_ref, w_ref = jax.jit(lambda c: op_conv_verify(**c, layer=1, impl="ref"))(stacked)
-    np.testing.assert_allclose(np.asarray(y_ref.astype(jnp.float32)), np.asarray(y1.astype(jnp.float32)),
-                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(y_ref.astype(jnp.float32)), np.asarray(y1.astype(jnp.float32)), rtol=1e-2, atol=1e-2
+    )
     np.testing.assert_array_equal(oracle.bits(np.asarray(w_ref)), oracle.bits(np.asarray(w)), "reference window stack")
 
 
@@ -227,14 +253,26 @@ def test_layer_stack_lowers_for_h200():
     S = jax.ShapeDtypeStruct
     B, C, T, G = 128, 10240, 8, 48
     fn = lambda x, st, win, w, qsl, sl: pconv.conv_verify(x, st, win, w, qsl, sl, interpret=False, layer=G - 1)
-    text = lower_for_h200(fn, S((B * T, C), jnp.bfloat16), S((G, B + 1, W - 1, C), jnp.bfloat16),
-                          S((G, B + 1, T, C), jnp.bfloat16), S((C, W), jnp.bfloat16), S((B + 1,), jnp.int32),
-                          S((B,), jnp.int32))
+    text = lower_for_h200(
+        fn,
+        S((B * T, C), jnp.bfloat16),
+        S((G, B + 1, W - 1, C), jnp.bfloat16),
+        S((G, B + 1, T, C), jnp.bfloat16),
+        S((C, W), jnp.bfloat16),
+        S((B + 1,), jnp.int32),
+        S((B,), jnp.int32),
+    )
     assert "__gpu$xla.gpu.triton" in text
 
 
-BENCH_SHAPES = [(1, 10240, 8, jnp.bfloat16), (8, 10240, 8, jnp.bfloat16), (32, 10240, 8, jnp.bfloat16),
-                (128, 10240, 8, jnp.bfloat16), (5, 1000, 64, jnp.bfloat16), (3, 37, 5, jnp.float32)]
+BENCH_SHAPES = [
+    (1, 10240, 8, jnp.bfloat16),
+    (8, 10240, 8, jnp.bfloat16),
+    (32, 10240, 8, jnp.bfloat16),
+    (128, 10240, 8, jnp.bfloat16),
+    (5, 1000, 64, jnp.bfloat16),
+    (3, 37, 5, jnp.float32),
+]
 
 
 @pytest.mark.parametrize("rpp", [1, 4])
@@ -243,11 +281,19 @@ def test_lowers_for_h200(B, C, T, dtype, rpp):
     S = jax.ShapeDtypeStruct
 
     def fn(x, st, win, w, qsl, sl):
-        return pconv.conv_verify(x, st, win, w, qsl, sl, interpret=False,
-                                 config=pconv.ConvVerifyConfig(requests_per_program=rpp))
+        return pconv.conv_verify(
+            x, st, win, w, qsl, sl, interpret=False, config=pconv.ConvVerifyConfig(requests_per_program=rpp)
+        )
 
-    text = lower_for_h200(fn, S((B * T, C), dtype), S((B + 1, W - 1, C), dtype), S((B + 1, T, C), dtype),
-                          S((C, W), dtype), S((B + 1,), jnp.int32), S((B,), jnp.int32))
+    text = lower_for_h200(
+        fn,
+        S((B * T, C), dtype),
+        S((B + 1, W - 1, C), dtype),
+        S((B + 1, T, C), dtype),
+        S((C, W), dtype),
+        S((B + 1,), jnp.int32),
+        S((B,), jnp.int32),
+    )
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -270,8 +316,7 @@ def random_layout(rng, B, T, null_every=0):
 def test_verify_gpu(C, T, B, dtype):
     rng = np.random.default_rng(C + T + B)
     lengths, slots = random_layout(rng, B, T, null_every=5)
-    case = make_case(rng, lengths, slots, C=C, t_max=T, dtype=dtype, n_pad=T + 3, s1=B + 3,
-                     poison_window=True)
+    case = make_case(rng, lengths, slots, C=C, t_max=T, dtype=dtype, n_pad=T + 3, s1=B + 3, poison_window=True)
     y, window2 = run_kernel(case)
     check(case, y, window2, TOL[dtype])
     # again over stale random contents (untouched entries must keep their exact bits)
@@ -282,16 +327,21 @@ def test_verify_gpu(C, T, B, dtype):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [dict(block_c=512, num_warps=8), dict(block_c=1024, num_warps=4),
-                                 dict(block_c=128, num_warps=1, row_group=3, pad_rows=1),
-                                 dict(block_c=512, num_warps=2, requests_per_program=4),
-                                 dict(block_c=1024, num_warps=4, requests_per_program=3),
-                                 dict(block_c=256, num_warps=1, requests_per_program=8, pad_rows=4)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(block_c=512, num_warps=8),
+        dict(block_c=1024, num_warps=4),
+        dict(block_c=128, num_warps=1, row_group=3, pad_rows=1),
+        dict(block_c=512, num_warps=2, requests_per_program=4),
+        dict(block_c=1024, num_warps=4, requests_per_program=3),
+        dict(block_c=256, num_warps=1, requests_per_program=8, pad_rows=4),
+    ],
+)
 def test_verify_gpu_configs(cfg):
     rng = np.random.default_rng(3)
     lengths, slots = random_layout(rng, 40, 8, null_every=7)
-    case = make_case(rng, lengths, slots, C=10240 - 3, t_max=8, dtype=jnp.bfloat16, n_pad=50, s1=45,
-                     poison_window=True)
+    case = make_case(rng, lengths, slots, C=10240 - 3, t_max=8, dtype=jnp.bfloat16, n_pad=50, s1=45, poison_window=True)
     y, window2 = run_kernel(case, config=pconv.ConvVerifyConfig(**cfg))
     check(case, y, window2, TOL[jnp.bfloat16])
 
@@ -307,8 +357,9 @@ def test_dispatch_gpu_auto_and_donation():
     win_copy = jnp.array(case["conv_window"], copy=True)
     fn = jax.jit(lambda c, win: op_conv_verify(**{**c, "conv_window": win}, impl="auto"), donate_argnums=1)
     y, w2 = fn(case, win_copy)
-    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)),
-                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(y.astype(jnp.float32)), np.asarray(y_ref.astype(jnp.float32)), rtol=1e-2, atol=1e-2
+    )
     np.testing.assert_array_equal(oracle.bits(np.asarray(w2)), oracle.bits(np.asarray(w_ref)))
 
 

@@ -9,16 +9,17 @@ skips those slots; their aliased checkpoint is never touched) and must not leak 
 Every element of a slot with m > 0 must be written: the expected state differs from the old one
 everywhere, and assert_close also demands it finite.
 """
+
 import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from gpu_lowering import lower_for_h200
+
 from jaxspec.ops.gdn import gdn_fold
 from jaxspec.pallas import fold
 
@@ -44,7 +45,7 @@ def make_case(rng, *, layers, s1, h, hv, kd, vd, ring_len, num_records, ckpt_dty
     rk = oracle.l2n(rng.standard_normal(lead + (s1, h, ring_len, kd))).astype(np.float32)
     ru = rng.standard_normal(lead + (s1, hv, ring_len, vd)).astype(np.float32)
     rg = (-oracle.softplus(rng.standard_normal(lead + (s1, hv, ring_len)))).astype(np.float32)
-    dead = np.arange(ring_len) >= nr[:, None]                         # [S1, L]
+    dead = np.arange(ring_len) >= nr[:, None]  # [S1, L]
     dead_rec = dead[:, None, :, None]
     rk = np.where(dead_rec, np.nan, rk).astype(np.float32)
     ru = np.where(dead_rec, np.inf, ru).astype(np.float32)
@@ -75,56 +76,85 @@ def check(out, args, u_exact, *, ref=None):
         for s, m in enumerate(nr):
             at = idx + (s,)
             if m <= 0:
-                np.testing.assert_array_equal(oracle.bits(out[at]), oracle.bits(ckpt[at]),
-                                              f"slot {at} with no records must be untouched")
+                np.testing.assert_array_equal(
+                    oracle.bits(out[at]), oracle.bits(ckpt[at]), f"slot {at} with no records must be untouched"
+                )
                 continue
-            exp = oracle.gdn_fold(np.asarray(ckpt[at]), np.asarray(rk[at]), u_exact[at], np.asarray(rg[at]),
-                                  min(int(m), ring_len))
+            exp = oracle.gdn_fold(
+                np.asarray(ckpt[at]), np.asarray(rk[at]), u_exact[at], np.asarray(rg[at]), min(int(m), ring_len)
+            )
             oracle.assert_close(out[at], exp, tol, f"ckpt' {at} (m={m})")
-    if ref is not None:   # same function as the jnp reference: bf16 outputs within one rounding
+    if ref is not None:  # same function as the jnp reference: bf16 outputs within one rounding
         ref = np.asarray(ref).astype(np.float64)
         live = nr > 0
         got = out.astype(np.float64)[..., live, :, :, :]
         want = ref[..., live, :, :, :]
         scale = np.abs(want).max()
-        lim = 2e-6 if ckpt.dtype == np.float32 else 2 ** -8
+        lim = 2e-6 if ckpt.dtype == np.float32 else 2**-8
         assert np.abs(got - want).max() <= lim * scale
 
 
 # ------------------------------------------------------------------------------ config, supports
 
+
 def test_config_rejects_bad_values():
-    for field, bad in (("block_v", 48), ("block_v", 8), ("chunk", 8), ("chunk", 24), ("num_warps", 3),
-                       ("num_stages", 0), ("heads", 3)):
+    for field, bad in (
+        ("block_v", 48),
+        ("block_v", 8),
+        ("chunk", 8),
+        ("chunk", 24),
+        ("num_warps", 3),
+        ("num_stages", 0),
+        ("heads", 3),
+    ):
         with pytest.raises(ValueError, match=field):
             fold.FoldConfig(**{field: bad})
     fold.FoldConfig(block_v=64, chunk=32, num_warps=4, num_stages=1)
 
 
-def _sds(g=48, s1=129, h=16, hv=48, kd=128, vd=128, ring_len=16, ckpt=jnp.bfloat16, keys=jnp.bfloat16, ring="hilo",
-         nr_dtype=jnp.int32):
+def _sds(
+    g=48,
+    s1=129,
+    h=16,
+    hv=48,
+    kd=128,
+    vd=128,
+    ring_len=16,
+    ckpt=jnp.bfloat16,
+    keys=jnp.bfloat16,
+    ring="hilo",
+    nr_dtype=jnp.int32,
+):
     lead = () if g is None else (g,)
-    u = ((SD(lead + (s1, hv, ring_len, vd), bf16),) * 2 if ring == "hilo"
-         else SD(lead + (s1, hv, ring_len, vd), jnp.float32))
-    return (SD(lead + (s1, hv, kd, vd), ckpt), SD(lead + (s1, h, ring_len, kd), keys), u,
-            SD(lead + (s1, hv, ring_len), jnp.float32), SD((s1,), nr_dtype))
+    u = (
+        (SD(lead + (s1, hv, ring_len, vd), bf16),) * 2
+        if ring == "hilo"
+        else SD(lead + (s1, hv, ring_len, vd), jnp.float32)
+    )
+    return (
+        SD(lead + (s1, hv, kd, vd), ckpt),
+        SD(lead + (s1, h, ring_len, kd), keys),
+        u,
+        SD(lead + (s1, hv, ring_len), jnp.float32),
+        SD((s1,), nr_dtype),
+    )
 
 
 def test_supports():
     assert fold.supports(*_sds())
     assert fold.supports(*_sds(ckpt=jnp.float32, ring="f32"))
     assert fold.supports(*_sds(g=None, ring_len=64, keys=jnp.float32, ring="f32"))
-    assert not fold.supports(*_sds(vd=8))                        # below the MMA's 16
-    assert not fold.supports(*_sds(kd=96))                       # not a power of two
+    assert not fold.supports(*_sds(vd=8))  # below the MMA's 16
+    assert not fold.supports(*_sds(kd=96))  # not a power of two
     assert not fold.supports(*_sds(ring_len=8))
-    assert not fold.supports(*_sds(hv=40, h=16))                 # HV not a multiple of H
+    assert not fold.supports(*_sds(hv=40, h=16))  # HV not a multiple of H
     assert not fold.supports(*_sds(ckpt=jnp.float16))
     assert not fold.supports(*_sds(keys=jnp.float16))
     assert not fold.supports(*_sds(nr_dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int16))
     ckpt, k, u, g, nr = _sds()
-    assert not fold.supports(ckpt, k, (u[0], SD(u[1].shape, jnp.float32)), g, nr)   # mixed pair
-    assert not fold.supports(ckpt, k, SD(u[0].shape, bf16), g, nr)                 # bf16 without lo
-    assert not fold.supports(ckpt, k, u, g, SD((128,), jnp.int32))                 # num_records != S1
+    assert not fold.supports(ckpt, k, (u[0], SD(u[1].shape, jnp.float32)), g, nr)  # mixed pair
+    assert not fold.supports(ckpt, k, SD(u[0].shape, bf16), g, nr)  # bf16 without lo
+    assert not fold.supports(ckpt, k, u, g, SD((128,), jnp.int32))  # num_records != S1
 
 
 # ------------------------------------------------------------------------------ interpret mode
@@ -147,13 +177,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layers,ring_len,nr,ckpt_dtype,ring,config", CASES,
-                         ids=[f"{c[0] or 0}layers-L{c[1]}-{np.dtype(c[3]).name}-{c[4]}-{'cfg' if c[5] else 'dflt'}"
-                              for c in CASES])
+@pytest.mark.parametrize(
+    "layers,ring_len,nr,ckpt_dtype,ring,config",
+    CASES,
+    ids=[f"{c[0] or 0}layers-L{c[1]}-{np.dtype(c[3]).name}-{c[4]}-{'cfg' if c[5] else 'dflt'}" for c in CASES],
+)
 def test_fold_interpret(layers, ring_len, nr, ckpt_dtype, ring, config):
     rng = np.random.default_rng(zlib.crc32(repr((layers, ring_len, nr, ring)).encode()))
-    args, u_exact = make_case(rng, layers=layers, s1=len(nr), ring_len=ring_len, num_records=nr,
-                              ckpt_dtype=ckpt_dtype, ring=ring, **SMALL)
+    args, u_exact = make_case(
+        rng, layers=layers, s1=len(nr), ring_len=ring_len, num_records=nr, ckpt_dtype=ckpt_dtype, ring=ring, **SMALL
+    )
     out = jax.jit(functools.partial(fold.gdn_fold, config=config, interpret=True))(*args)
     ref = jax.jit(functools.partial(gdn_fold, impl="ref"))(*args)
     check(out, args, u_exact, ref=ref)
@@ -161,38 +194,58 @@ def test_fold_interpret(layers, ring_len, nr, ckpt_dtype, ring, config):
 
 def test_dispatch():
     rng = np.random.default_rng(7)
-    args, u_exact = make_case(rng, layers=None, s1=4, ring_len=16, num_records=[0, 4, 16, 1],
-                              ckpt_dtype=np.float32, ring="hilo", **SMALL)
+    args, u_exact = make_case(
+        rng, layers=None, s1=4, ring_len=16, num_records=[0, 4, 16, 1], ckpt_dtype=np.float32, ring="hilo", **SMALL
+    )
     kernel = np.asarray(jax.jit(functools.partial(fold.gdn_fold, interpret=True))(*args))
     via_op = np.asarray(jax.jit(functools.partial(gdn_fold, impl="pallas"))(*args))
     np.testing.assert_array_equal(oracle.bits(via_op), oracle.bits(kernel))
     auto = np.asarray(jax.jit(functools.partial(gdn_fold, impl="auto"))(*args))
     ref = np.asarray(jax.jit(functools.partial(gdn_fold, impl="ref"))(*args))
-    if not ON_GPU:   # auto takes the kernel only on a GPU
+    if not ON_GPU:  # auto takes the kernel only on a GPU
         np.testing.assert_array_equal(oracle.bits(auto), oracle.bits(ref))
     check(via_op, args, u_exact, ref=ref)
     # an unsupported call: V = 8 is below the MMA width
-    small = make_case(rng, layers=None, s1=2, ring_len=16, num_records=[0, 3], ckpt_dtype=np.float32,
-                      ring="f32", h=1, hv=2, kd=16, vd=8)[0]
+    small = make_case(
+        rng,
+        layers=None,
+        s1=2,
+        ring_len=16,
+        num_records=[0, 3],
+        ckpt_dtype=np.float32,
+        ring="f32",
+        h=1,
+        hv=2,
+        kd=16,
+        vd=8,
+    )[0]
     with pytest.raises(ValueError, match="gdn_fold"):
         gdn_fold(*small, impl="pallas")
-    np.asarray(gdn_fold(*small, impl="auto"))   # falls back to the reference
+    np.asarray(gdn_fold(*small, impl="auto"))  # falls back to the reference
 
 
 # ------------------------------------------------------------------------------ H200 lowering
 
-@pytest.mark.parametrize("shapes", [
-    dict(),                                                      # bench: bf16 ckpt, hi/lo ring
-    dict(ckpt=jnp.float32, ring="f32"),                          # fp32 ckpt, fp32 ring (bf16 keys)
-    dict(g=None, s1=33, ring_len=64, ckpt=jnp.float32, keys=jnp.float32, ring="f32"),   # loop, f32 keys
-], ids=["bf16-hilo-48L", "f32-f32-48L", "f32keys-L64-4d"])
-@pytest.mark.parametrize("config", [None, fold.FoldConfig(heads=1, block_v=128, num_warps=8),
-                                    fold.FoldConfig(heads=4, block_v=32)], ids=["default", "h1-v128", "h4-v32"])
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        dict(),  # bench: bf16 ckpt, hi/lo ring
+        dict(ckpt=jnp.float32, ring="f32"),  # fp32 ckpt, fp32 ring (bf16 keys)
+        dict(g=None, s1=33, ring_len=64, ckpt=jnp.float32, keys=jnp.float32, ring="f32"),  # loop, f32 keys
+    ],
+    ids=["bf16-hilo-48L", "f32-f32-48L", "f32keys-L64-4d"],
+)
+@pytest.mark.parametrize(
+    "config",
+    [None, fold.FoldConfig(heads=1, block_v=128, num_warps=8), fold.FoldConfig(heads=4, block_v=32)],
+    ids=["default", "h1-v128", "h4-v32"],
+)
 def test_lowers_for_h200(shapes, config):
     args = _sds(**shapes)
     text = lower_for_h200(functools.partial(fold.gdn_fold, config=config, interpret=False), *args)
     assert "__gpu$xla.gpu.triton" in text
-    assert "tf.aliasing_output" in text or "output_operand_aliases" in text   # checkpoint in place
+    assert "tf.aliasing_output" in text or "output_operand_aliases" in text  # checkpoint in place
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -217,13 +270,26 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layers,ring_len,nr,ckpt_dtype,ring,config", GPU_CASES,
-                         ids=[f"{c[0] or 0}layers-L{c[1]}-{np.dtype(c[3]).name}-{c[4]}-{'cfg' if c[5] else 'dflt'}"
-                              for c in GPU_CASES])
+@pytest.mark.parametrize(
+    "layers,ring_len,nr,ckpt_dtype,ring,config",
+    GPU_CASES,
+    ids=[f"{c[0] or 0}layers-L{c[1]}-{np.dtype(c[3]).name}-{c[4]}-{'cfg' if c[5] else 'dflt'}" for c in GPU_CASES],
+)
 def test_fold_gpu(layers, ring_len, nr, ckpt_dtype, ring, config):
     rng = np.random.default_rng(zlib.crc32(repr((layers, ring_len, nr, ring, np.dtype(ckpt_dtype).name)).encode()))
-    args, u_exact = make_case(rng, layers=layers, s1=len(nr), ring_len=ring_len, num_records=nr,
-                              ckpt_dtype=ckpt_dtype, ring=ring, h=16, hv=48, kd=128, vd=128)
+    args, u_exact = make_case(
+        rng,
+        layers=layers,
+        s1=len(nr),
+        ring_len=ring_len,
+        num_records=nr,
+        ckpt_dtype=ckpt_dtype,
+        ring=ring,
+        h=16,
+        hv=48,
+        kd=128,
+        vd=128,
+    )
     out = jax.jit(functools.partial(fold.gdn_fold, config=config, interpret=False))(*args)
     ref = jax.jit(functools.partial(gdn_fold, impl="ref"))(*args)
     check(out, args, u_exact, ref=ref)

@@ -15,16 +15,17 @@ max |want|): the kernels multiply on bf16 tensor cores with float32 accuracy fro
 (~2^-16 per product), measured at 5e-6..8e-6 RMS and <= 2e-5 max against float64 on these cases,
 where the float32 reference lands at ~1e-7..1.6e-6. Bounds leave ~5x margin.
 """
+
 import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from gpu_lowering import lower_for_h200
+
 from jaxspec.ops.gdn import gdn_chunked
 from jaxspec.pallas import gdn_chunked as kc
 
@@ -33,8 +34,8 @@ SD = jax.ShapeDtypeStruct
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-TOL_RMS = 4e-5        # kernel vs float64 oracle and vs the float32 reference, relative RMS
-TOL_MAX = 1e-4        # max-abs error / max |expected|
+TOL_RMS = 4e-5  # kernel vs float64 oracle and vs the float32 reference, relative RMS
+TOL_MAX = 1e-4  # max-abs error / max |expected|
 
 _ref = jax.jit(functools.partial(gdn_chunked, impl="ref"))
 
@@ -53,7 +54,7 @@ def decays(rng, shape, decay):
 def make_case(seed, *, B, T, H, HV, K, V, lengths, dtype, decay="sig", poison=True):
     """Normalised q (scaled K^-1/2) and k, v in `dtype`; g, beta, h0 float32; NaN past each length."""
     rng = np.random.default_rng(seed)
-    q = oracle.l2n(rng.standard_normal((B, T, H, K))) * K ** -0.5
+    q = oracle.l2n(rng.standard_normal((B, T, H, K))) * K**-0.5
     k = oracle.l2n(rng.standard_normal((B, T, H, K)))
     v = rng.standard_normal((B, T, HV, V))
     g = decays(rng, (B, T, HV), decay)
@@ -61,7 +62,7 @@ def make_case(seed, *, B, T, H, HV, K, V, lengths, dtype, decay="sig", poison=Tr
     h0 = rng.standard_normal((B, HV, K, V)) * 0.5
     lengths = np.asarray(lengths, np.int32)
     if poison:
-        dead = np.arange(T)[None, :] >= lengths[:, None]                          # [B, T]
+        dead = np.arange(T)[None, :] >= lengths[:, None]  # [B, T]
         q, k, v = (np.where(dead[:, :, None, None], np.nan, x) for x in (q, k, v))
         g, beta = (np.where(dead[:, :, None], np.nan, x) for x in (g, beta))
     q, k, v = (jnp.asarray(x.astype(np.float32)).astype(dtype) for x in (q, k, v))
@@ -70,7 +71,7 @@ def make_case(seed, *, B, T, H, HV, K, V, lengths, dtype, decay="sig", poison=Tr
 
 
 def rel_rms(got, want):
-    return np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want ** 2)), 1e-30)
+    return np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30)
 
 
 def close(got, want, name, tol_rms=TOL_RMS, tol_max=TOL_MAX):
@@ -89,8 +90,9 @@ def check(out, args, *, ref=None, oracle_check=True, **tol):
     """Kernel outputs against the contract: o past each length exactly 0, everything finite, and
     close to the float64 recurrence over the first lengths[b] tokens and to the jnp reference."""
     o, h = (np.asarray(x) for x in out)
-    q, k, v, g, beta, h0, lengths = (np.asarray(x.astype(jnp.float32)) if x.dtype == bf16 else np.asarray(x)
-                                     for x in args)
+    q, k, v, g, beta, h0, lengths = (
+        np.asarray(x.astype(jnp.float32)) if x.dtype == bf16 else np.asarray(x) for x in args
+    )
     B, T, HV, V = v.shape
     assert o.dtype == np.float32 and o.shape == (B, T, HV, V)
     assert h.dtype == np.float32 and h.shape == h0.shape
@@ -109,32 +111,49 @@ def check(out, args, *, ref=None, oracle_check=True, **tol):
 
 # ------------------------------------------------------------------------------ config, supports
 
+
 def test_config_rejects_bad_values():
-    for field, bad in (("chunk", 8), ("chunk", 48), ("chunk", 128), ("block_v", 8), ("block_v", 24),
-                       ("num_warps", 3), ("num_warps", 32), ("prep_warps", 0), ("num_stages", 0),
-                       ("num_stages", 1.5), ("chunk", True)):
+    for field, bad in (
+        ("chunk", 8),
+        ("chunk", 48),
+        ("chunk", 128),
+        ("block_v", 8),
+        ("block_v", 24),
+        ("num_warps", 3),
+        ("num_warps", 32),
+        ("prep_warps", 0),
+        ("num_stages", 0),
+        ("num_stages", 1.5),
+        ("chunk", True),
+    ):
         with pytest.raises(ValueError, match=field):
             kc.ChunkConfig(**{field: bad})
     kc.ChunkConfig(chunk=16, block_v=16, num_warps=8, num_stages=3, prep_warps=2)
 
 
 def _sds(B=1, T=4096, H=16, HV=48, K=128, V=128, dtype=bf16, lengths=True, h0=jnp.float32):
-    return (SD((B, T, H, K), dtype), SD((B, T, H, K), dtype), SD((B, T, HV, V), dtype),
-            SD((B, T, HV), jnp.float32), SD((B, T, HV), jnp.float32), SD((B, HV, K, V), h0),
-            SD((B,), jnp.int32) if lengths else None)
+    return (
+        SD((B, T, H, K), dtype),
+        SD((B, T, H, K), dtype),
+        SD((B, T, HV, V), dtype),
+        SD((B, T, HV), jnp.float32),
+        SD((B, T, HV), jnp.float32),
+        SD((B, HV, K, V), h0),
+        SD((B,), jnp.int32) if lengths else None,
+    )
 
 
 def test_supports():
     assert kc.supports(*_sds())
     assert kc.supports(*_sds(B=4, dtype=jnp.float32, lengths=False))
     assert kc.supports(*_sds(T=37, H=2, HV=2, K=16, V=32, h0=bf16))
-    assert not kc.supports(*_sds(V=8))                       # below the MMA's 16
-    assert not kc.supports(*_sds(K=96))                      # not a power of two
-    assert not kc.supports(*_sds(K=256))                     # state kernel's shared memory
-    assert not kc.supports(*_sds(HV=40))                     # HV not a multiple of H
+    assert not kc.supports(*_sds(V=8))  # below the MMA's 16
+    assert not kc.supports(*_sds(K=96))  # not a power of two
+    assert not kc.supports(*_sds(K=256))  # state kernel's shared memory
+    assert not kc.supports(*_sds(HV=40))  # HV not a multiple of H
     assert not kc.supports(*_sds(dtype=jnp.float16))
-    assert not kc.supports(*_sds(B=64, T=1 << 16))           # int32 addressing
-    assert kc.supports(*_sds(), config=kc.ChunkConfig(block_v=256))   # block_v is clipped to V
+    assert not kc.supports(*_sds(B=64, T=1 << 16))  # int32 addressing
+    assert kc.supports(*_sds(), config=kc.ChunkConfig(block_v=256))  # block_v is clipped to V
     q, k, v, g, beta, h0, lengths = _sds()
     assert not kc.supports(q, k, v, g, beta, h0, SD((2,), jnp.int32))
     assert not kc.supports(q, k, v, g, beta, h0, SD((1,), jnp.float32))
@@ -143,7 +162,7 @@ def test_supports():
 
 # ------------------------------------------------------------------------------ interpret mode
 
-SMALL = dict(H=2, HV=6, K=32, V=32)                  # GQA ratio 3, two V blocks of 16
+SMALL = dict(H=2, HV=6, K=32, V=32)  # GQA ratio 3, two V blocks of 16
 CFG16 = kc.ChunkConfig(chunk=16, block_v=16)
 CFG32 = kc.ChunkConfig(chunk=32, block_v=16)
 CFG64 = kc.ChunkConfig(chunk=64, block_v=16)
@@ -161,9 +180,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,lengths,dtype,decay,shapes,config", CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-{np.dtype(c[3]).name}-{c[4]}-r{c[5]['HV'] // c[5]['H']}-"
-                              f"C{(c[6] or kc.ChunkConfig()).chunk}" for c in CASES])
+@pytest.mark.parametrize(
+    "B,T,lengths,dtype,decay,shapes,config",
+    CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-{np.dtype(c[3]).name}-{c[4]}-r{c[5]['HV'] // c[5]['H']}-C{(c[6] or kc.ChunkConfig()).chunk}"
+        for c in CASES
+    ],
+)
 def test_interpret(B, T, lengths, dtype, decay, shapes, config):
     seed = zlib.crc32(repr((B, T, lengths, np.dtype(dtype).name, decay, shapes)).encode())
     args = make_case(seed, B=B, T=T, lengths=lengths, dtype=dtype, decay=decay, **shapes)
@@ -177,8 +201,11 @@ def test_interpret_no_lengths_and_bf16_state():
     q, k, v, g, beta, h0, _ = args
     h0 = h0.astype(bf16)
     out = jax.jit(functools.partial(kc.gdn_chunked, config=CFG16, interpret=True))(q, k, v, g, beta, h0, None)
-    check(out, (q, k, v, g, beta, h0.astype(jnp.float32), jnp.full((2,), 45, jnp.int32)),
-          ref=_ref(q, k, v, g, beta, h0, None))
+    check(
+        out,
+        (q, k, v, g, beta, h0.astype(jnp.float32), jnp.full((2,), 45, jnp.int32)),
+        ref=_ref(q, k, v, g, beta, h0, None),
+    )
 
 
 def test_interpret_chained():
@@ -203,7 +230,7 @@ def test_dispatch():
         np.testing.assert_array_equal(oracle.bits(np.asarray(a)), oracle.bits(np.asarray(b)))
     ref = _ref(*args)
     auto = jax.jit(functools.partial(gdn_chunked, impl="auto"))(*args)
-    if not ON_GPU:   # auto takes the kernel only on a GPU
+    if not ON_GPU:  # auto takes the kernel only on a GPU
         for a, b in zip(auto, ref):
             np.testing.assert_array_equal(oracle.bits(np.asarray(a)), oracle.bits(np.asarray(b)))
     check(via_op, args, ref=ref)
@@ -211,16 +238,27 @@ def test_dispatch():
     small = make_case(14, B=1, T=5, lengths=[5], dtype=jnp.float32, H=1, HV=2, K=16, V=8)
     with pytest.raises(ValueError, match="gdn_chunked"):
         gdn_chunked(*small, impl="pallas")
-    np.asarray(gdn_chunked(*small, impl="auto")[0])   # falls back to the reference
+    np.asarray(gdn_chunked(*small, impl="auto")[0])  # falls back to the reference
 
 
 # ------------------------------------------------------------------------------ H200 lowering
 
-@pytest.mark.parametrize("shapes", [dict(), dict(B=4), dict(dtype=jnp.float32, lengths=False), dict(T=4000)],
-                         ids=["1x4096-bf16", "4x4096-bf16", "1x4096-f32-nolengths", "1x4000-bf16"])
-@pytest.mark.parametrize("config", [None, kc.ChunkConfig(block_v=32, num_stages=2),
-                                    kc.ChunkConfig(block_v=128, num_warps=8), kc.ChunkConfig(chunk=32)],
-                         ids=["default", "v32-s2", "v128-w8", "c32"])
+
+@pytest.mark.parametrize(
+    "shapes",
+    [dict(), dict(B=4), dict(dtype=jnp.float32, lengths=False), dict(T=4000)],
+    ids=["1x4096-bf16", "4x4096-bf16", "1x4096-f32-nolengths", "1x4000-bf16"],
+)
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        kc.ChunkConfig(block_v=32, num_stages=2),
+        kc.ChunkConfig(block_v=128, num_warps=8),
+        kc.ChunkConfig(chunk=32),
+    ],
+    ids=["default", "v32-s2", "v128-w8", "c32"],
+)
 def test_lowers_for_h200(shapes, config):
     """The real kernels lower to Triton at the benchmark shape (1 x 4096 tokens, H 16, HV 48,
     K = V = 128) and its variants: two Triton calls (prep, state), no fallback."""
@@ -242,15 +280,17 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("B,T,lengths,dtype,decay,shapes,config", GPU_CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-{np.dtype(c[3]).name}-{c[4]}-K{c[5]['K']}-{i}"
-                              for i, c in enumerate(GPU_CASES)])
+@pytest.mark.parametrize(
+    "B,T,lengths,dtype,decay,shapes,config",
+    GPU_CASES,
+    ids=[f"B{c[0]}-T{c[1]}-{np.dtype(c[3]).name}-{c[4]}-K{c[5]['K']}-{i}" for i, c in enumerate(GPU_CASES)],
+)
 def test_gpu_small(B, T, lengths, dtype, decay, shapes, config):
     seed = zlib.crc32(repr((B, T, lengths, np.dtype(dtype).name, decay, shapes, "gpu")).encode())
     args = make_case(seed, B=B, T=T, lengths=lengths, dtype=dtype, decay=decay, **shapes)
     out = jax.jit(functools.partial(kc.gdn_chunked, config=config, interpret=False))(*args)
     check(out, args, ref=_ref(*args))
-    if config is None:   # impl="auto" takes the kernel on the GPU
+    if config is None:  # impl="auto" takes the kernel on the GPU
         auto = jax.jit(functools.partial(gdn_chunked, impl="auto"))(*args)
         for a, b in zip(auto, out):
             np.testing.assert_array_equal(oracle.bits(np.asarray(a)), oracle.bits(np.asarray(b)))
@@ -265,6 +305,6 @@ def test_gpu_benchmark_shape(B, lengths):
     args = make_case(21 + B, B=B, T=4096, lengths=lengths, dtype=bf16, H=16, HV=48, K=128, V=128)
     out = jax.jit(functools.partial(kc.gdn_chunked, interpret=False))(*args)
     check(out, args, ref=_ref(*args), oracle_check=False)
-    short = tuple(x[:1, :256] for x in args[:5])                    # q, k, v, g, beta
+    short = tuple(x[:1, :256] for x in args[:5])  # q, k, v, g, beta
     args256 = short + (args[5][:1], jnp.array([256], jnp.int32))
     check(jax.jit(functools.partial(kc.gdn_chunked, interpret=False))(*args256), args256)

@@ -5,15 +5,16 @@ Triton kernel at model shapes. Both check every element the contract writes (out
 zero rows of padding and null-slot requests, the window's ring records) and that everything else in
 the ring is bit-identical; interpret mode fills fresh outputs with NaN, so unwritten rows fail.
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from gpu_lowering import lower_for_h200
+
 from jaxspec.ops.gdn import gdn_verify
 from jaxspec.pallas import gdn_verify as kv
 
@@ -36,11 +37,11 @@ def f32(x):
 def write_positions(hist, s1, ring_len, t_max, rng):
     if hist == "empty":
         return np.zeros(s1, np.int32)
-    if hist == "full":                                   # nearly full: the window just fits
+    if hist == "full":  # nearly full: the window just fits
         return np.full(s1, ring_len - t_max, np.int32)
-    if hist == "overflow":                               # records past the ring end are dropped
+    if hist == "overflow":  # records past the ring end are dropped
         return np.full(s1, ring_len - 2, np.int32)
-    return rng.integers(0, ring_len - t_max + 1, s1).astype(np.int32)   # "partial" / mixed
+    return rng.integers(0, ring_len - t_max + 1, s1).astype(np.int32)  # "partial" / mixed
 
 
 def make_case(seed, hist, ckpt_dtype, ring, requests=REQUESTS, t_max=T_MAX, n_pad=N_PAD, shapes=SMALL):
@@ -50,7 +51,7 @@ def make_case(seed, hist, ckpt_dtype, ring, requests=REQUESTS, t_max=T_MAX, n_pa
     slots = np.array([s for s, _ in requests], np.int32)
     qsl = oracle.qsl_from_lengths([n for _, n in requests])
     n = int(qsl[-1]) + n_pad
-    q = f32(oracle.l2n(rng.standard_normal((n, H, K))) * K ** -0.5)
+    q = f32(oracle.l2n(rng.standard_normal((n, H, K))) * K**-0.5)
     k = f32(oracle.l2n(rng.standard_normal((n, H, K))))
     v = f32(rng.standard_normal((n, HV, V)))
     g = f32(-0.4 * oracle.softplus(rng.standard_normal((n, HV))))
@@ -60,7 +61,7 @@ def make_case(seed, hist, ckpt_dtype, ring, requests=REQUESTS, t_max=T_MAX, n_pa
     ru = f32(rng.standard_normal((S1, HV, L, V)) * 0.3)
     rg = f32(-0.5 * oracle.softplus(rng.standard_normal((S1, HV, L))))
     write_pos = write_positions(hist, S1, L, t_max, rng)
-    dead = np.arange(L)[None, :] >= write_pos[:, None]                   # [S1, L]
+    dead = np.arange(L)[None, :] >= write_pos[:, None]  # [S1, L]
     rk[np.broadcast_to(dead[:, None, :], rk.shape[:3])] = np.nan
     ru[np.broadcast_to(dead[:, None, :], ru.shape[:3])] = np.inf
     rg[np.broadcast_to(dead[:, None, :], rg.shape)] = np.nan
@@ -69,23 +70,35 @@ def make_case(seed, hist, ckpt_dtype, ring, requests=REQUESTS, t_max=T_MAX, n_pa
         ring_u = jnp.asarray(ru)
         rk = jnp.asarray(rk)
     else:
-        k = f32(jnp.asarray(k, bf16))        # keys arrive bf16-exact when the ring stores bf16
+        k = f32(jnp.asarray(k, bf16))  # keys arrive bf16-exact when the ring stores bf16
         rk = jnp.asarray(rk, bf16)
         hi = jnp.asarray(ru, bf16)
-        with np.errstate(invalid="ignore"):   # inf - inf in the dead records
+        with np.errstate(invalid="ignore"):  # inf - inf in the dead records
             lo = jnp.asarray(ru - np.asarray(hi, np.float32), bf16)
         ring_u = (hi, jnp.where(jnp.isfinite(lo), lo, jnp.inf).astype(bf16))
-    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta), ckpt, rk, ring_u,
-            jnp.asarray(rg), jnp.asarray(write_pos), jnp.asarray(qsl), jnp.asarray(slots))
+    args = (
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        ckpt,
+        rk,
+        ring_u,
+        jnp.asarray(rg),
+        jnp.asarray(write_pos),
+        jnp.asarray(qsl),
+        jnp.asarray(slots),
+    )
     return args
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ref_fn(t_max):
     return jax.jit(lambda *a: gdn_verify(*a, t_max, impl="ref"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_fn(t_max, cfg, interpret):
     return jax.jit(lambda *a: kv.gdn_verify(*a, t_max, config=cfg, interpret=interpret))
 
@@ -119,7 +132,8 @@ def oracle_u(args, t_max):
     XLA's excess-precision rewrite (xla_allow_excess_precision, on by default) folds the
     reference's f32 -> bf16 -> f32 round trip away, so its lo part comes out 0."""
     q, k, v, g, beta, ckpt, rk, ru, rg, write_pos, qsl, slots = (
-        tuple(np.asarray(p, np.float64) for p in x) if isinstance(x, tuple) else np.asarray(x) for x in args)
+        tuple(np.asarray(p, np.float64) for p in x) if isinstance(x, tuple) else np.asarray(x) for x in args
+    )
     u_hist = sum(ru) if isinstance(ru, tuple) else ru
     ring_len = rg.shape[-1]
     out = np.full(u_hist.shape, np.nan)
@@ -146,11 +160,11 @@ def check_against_ref(args, got, exp, t_max, tol):
     assert o.dtype == np.float32 and o.shape == eo.shape
     assert np.all(np.isfinite(o)), "every output row is written (interpret mode starts from NaN)"
     oracle.assert_close(o, eo, tol, "o")
-    pad = o[qsl[-1]:]
+    pad = o[qsl[-1] :]
     assert not pad.any(), "padding rows must be exactly 0"
     for r, s in enumerate(slots):
         if s == 0:
-            assert not o[qsl[r]:qsl[r + 1]].any(), "null-slot request rows must be exactly 0"
+            assert not o[qsl[r] : qsl[r + 1]].any(), "null-slot request rows must be exactly 0"
     ring_len = rg.shape[-1]
     w = written_mask(args, t_max, ring_len)
     keep = ~w
@@ -168,15 +182,16 @@ def check_against_ref(args, got, exp, t_max, tol):
     u, eu = u_value(ru), oracle_u(args, t_max)
     assert np.all(np.isfinite(u[sel_w(u)])), "written u records finite"
     oracle.assert_close(u[sel_w(u)], eu[sel_w(u)], tol, "ring_u records")
-    if len(ru) == 2:   # a compensated pair: lo is the bf16 residual of hi
+    if len(ru) == 2:  # a compensated pair: lo is the bf16 residual of hi
         hi, lo = (x.astype(np.float64)[sel_w(x)] for x in ru)
-        assert np.all(np.abs(lo) <= 2.0 ** -8 * np.abs(hi) + 1e-30)
+        assert np.all(np.abs(lo) <= 2.0**-8 * np.abs(hi) + 1e-30)
 
 
 TOL = {("f32", "f32"): 2e-5, ("f32", "bf16-hilo"): 5e-5, ("bf16", "bf16-hilo"): 5e-5, ("bf16", "f32"): 2e-5}
 
 
 # ------------------------------------------------------------------------------ CPU (interpret)
+
 
 def test_config_validation():
     with pytest.raises(ValueError, match="block_k"):
@@ -198,15 +213,16 @@ def test_config_validation():
 def test_supports():
     args = make_case(1, "partial", jnp.float32, "f32")
     assert kv.supports(*args, T_MAX)
-    assert not kv.supports(*args, 33)                                      # token tile <= 32
-    bad_v = (args[0], args[1], args[2][..., :24]) + args[3:]               # V not a power of two
+    assert not kv.supports(*args, 33)  # token tile <= 32
+    bad_v = (args[0], args[1], args[2][..., :24]) + args[3:]  # V not a power of two
     assert not kv.supports(*bad_v, T_MAX)
-    bad_ring = args[:8] + (args[8].astype(bf16),) + args[9:]               # gates must be f32
+    bad_ring = args[:8] + (args[8].astype(bf16),) + args[9:]  # gates must be f32
     assert not kv.supports(*bad_ring, T_MAX)
 
 
-@pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo"),
-                                             ("bf16", "f32")])
+@pytest.mark.parametrize(
+    "ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo"), ("f32", "bf16-hilo"), ("bf16", "f32")]
+)
 @pytest.mark.parametrize("hist", ["empty", "partial", "full", "overflow"])
 def test_matches_reference(hist, ckpt_dtype, ring):
     args = make_case(10, hist, {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype], ring)
@@ -229,9 +245,14 @@ def coefficient_groupings(args, t_max, interpret):
     key head per program, on the same inputs: (M, M_h, ring_k, ring_g) of each, as numpy."""
     q, k, v, g, beta, ckpt, rk, ru, rg, wpos, qsl, slots = args
     ratio = v.shape[1] // q.shape[1]
-    run = lambda hpp: [np.asarray(x) for x in jax.jit(lambda *a: kv.coefficients(
-        *a, t_max, block_k=16, num_warps=1, interpret=interpret, layer=None, heads_per_program=hpp))(
-        q, k, g, beta, rk, rg, wpos, qsl, slots)]
+    run = lambda hpp: [
+        np.asarray(x)
+        for x in jax.jit(
+            lambda *a: kv.coefficients(
+                *a, t_max, block_k=16, num_warps=1, interpret=interpret, layer=None, heads_per_program=hpp
+            )
+        )(q, k, g, beta, rk, rg, wpos, qsl, slots)
+    ]
     return run(1), run(ratio)
 
 
@@ -253,16 +274,22 @@ def test_coefficients_same_per_head_or_key_head(hist):
     np.testing.assert_array_equal(oracle.bits(rk1), oracle.bits(rk3))
     np.testing.assert_array_equal(oracle.bits(rg1), oracle.bits(rg3))
     with pytest.raises(ValueError, match="heads_per_program"):
-        kv.coefficients(*(args[i] for i in (0, 1, 3, 4, 6, 8, 9, 10, 11)), T_MAX, block_k=16, num_warps=1,
-                              interpret=True, layer=None, heads_per_program=2)
+        kv.coefficients(
+            *(args[i] for i in (0, 1, 3, 4, 6, 8, 9, 10, 11)),
+            T_MAX,
+            block_k=16,
+            num_warps=1,
+            interpret=True,
+            layer=None,
+            heads_per_program=2,
+        )
 
 
 @pytest.mark.parametrize("t_max", [12, 19], ids=["t12", "t19"])
 def test_long_windows(t_max):
     """Windows whose token tile is 16 or 32 (the coefficient kernel's own tile or larger)."""
     reqs = [(2, t_max), (0, 3), (5, t_max - 5), (1, 0), (3, 1)]
-    args = make_case(21, "partial", jnp.float32, "f32", requests=reqs, t_max=t_max, n_pad=3,
-                     shapes=dict(SMALL, L=32))
+    args = make_case(21, "partial", jnp.float32, "f32", requests=reqs, t_max=t_max, n_pad=3, shapes=dict(SMALL, L=32))
     got = as_np(_kernel_fn(t_max, SMALL_CFG, True)(*args))
     exp = as_np(_ref_fn(t_max)(*args))
     check_against_ref(args, got, exp, t_max, 5e-5)
@@ -277,7 +304,7 @@ def test_dispatch_pallas_matches_kernel():
 
 def stack_layers(cases):
     """Stack the checkpoint and rings of per-layer cases into [G, ...] arrays (window inputs from case 0)."""
-    stack = lambda xs: (tuple(jnp.stack(p) for p in zip(*xs)) if isinstance(xs[0], tuple) else jnp.stack(xs))
+    stack = lambda xs: tuple(jnp.stack(p) for p in zip(*xs)) if isinstance(xs[0], tuple) else jnp.stack(xs)
     return cases[0][:5] + tuple(stack([c[i] for c in cases]) for i in range(5, 9)) + cases[0][9:]
 
 
@@ -309,9 +336,12 @@ def test_layer_stack_in_place(ckpt_dtype, ring):
     dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
     cases = [make_case(60 + i, "partial", dt, ring) for i in range(3)]
     for layer in (0, 2):
-        check_stacked(cases, layer, jax.jit(lambda *a: kv.gdn_verify(*a, T_MAX, config=SMALL_CFG, interpret=True,
-                                                                      layer=layer)),
-                      _kernel_fn(T_MAX, SMALL_CFG, True))
+        check_stacked(
+            cases,
+            layer,
+            jax.jit(lambda *a: kv.gdn_verify(*a, T_MAX, config=SMALL_CFG, interpret=True, layer=layer)),
+            _kernel_fn(T_MAX, SMALL_CFG, True),
+        )
     traced = jax.jit(lambda i, *a: kv.gdn_verify(*a, T_MAX, config=SMALL_CFG, interpret=True, layer=i))
     check_stacked(cases, 2, functools.partial(traced, jnp.int32(2)), _kernel_fn(T_MAX, SMALL_CFG, True))
     check_stacked(cases, 1, jax.jit(lambda *a: gdn_verify(*a, T_MAX, layer=1, impl="ref")), _ref_fn(T_MAX))
@@ -320,7 +350,7 @@ def test_layer_stack_in_place(ckpt_dtype, ring):
     assert not kv.supports(*stacked, T_MAX, layer=3) and not kv.supports(*stacked, T_MAX)
 
 
-POISON_REQ, POISON_T = 0, 2   # request 0 (slot 3, 5 tokens): poison its window token 2
+POISON_REQ, POISON_T = 0, 2  # request 0 (slot 3, 5 tokens): poison its window token 2
 
 
 @pytest.fixture(scope="module")
@@ -347,14 +377,26 @@ def bench_structs(batch, t_max, ckpt_dtype, hilo, ring_len=16):
     H, HV, K, V = BENCH["H"], BENCH["HV"], BENCH["K"], BENCH["V"]
     s1, n = batch + 1, batch * t_max
     ring_u = (sd((s1, HV, ring_len, V), bf16),) * 2 if hilo else sd((s1, HV, ring_len, V), jnp.float32)
-    return (sd((n, H, K), jnp.float32), sd((n, H, K), jnp.float32), sd((n, HV, V), jnp.float32),
-            sd((n, HV), jnp.float32), sd((n, HV), jnp.float32), sd((s1, HV, K, V), ckpt_dtype),
-            sd((s1, H, ring_len, K), bf16 if hilo else jnp.float32), ring_u, sd((s1, HV, ring_len), jnp.float32),
-            sd((s1,), jnp.int32), sd((batch + 1,), jnp.int32), sd((batch,), jnp.int32))
+    return (
+        sd((n, H, K), jnp.float32),
+        sd((n, H, K), jnp.float32),
+        sd((n, HV, V), jnp.float32),
+        sd((n, HV), jnp.float32),
+        sd((n, HV), jnp.float32),
+        sd((s1, HV, K, V), ckpt_dtype),
+        sd((s1, H, ring_len, K), bf16 if hilo else jnp.float32),
+        ring_u,
+        sd((s1, HV, ring_len), jnp.float32),
+        sd((s1,), jnp.int32),
+        sd((batch + 1,), jnp.int32),
+        sd((batch,), jnp.int32),
+    )
 
 
-@pytest.mark.parametrize("t_max,ckpt_dtype,hilo,ring_len", [
-    (8, bf16, True, 16), (1, bf16, True, 16), (16, jnp.float32, False, 32), (32, jnp.float32, True, 64)])
+@pytest.mark.parametrize(
+    "t_max,ckpt_dtype,hilo,ring_len",
+    [(8, bf16, True, 16), (1, bf16, True, 16), (16, jnp.float32, False, 32), (32, jnp.float32, True, 64)],
+)
 def test_lowers_for_h200(t_max, ckpt_dtype, hilo, ring_len):
     structs = bench_structs(128, t_max, ckpt_dtype, hilo, ring_len)
     assert kv.supports(*structs, t_max)
@@ -366,8 +408,11 @@ def test_layer_stack_lowers_for_h200():
     """48 layers' checkpoint stack (Qwen3.8-27B, batch 128: 9.7 GB bf16) at layer 47: 64-bit offsets."""
     structs = bench_structs(128, 8, bf16, True, 16)
     stack = lambda x: jax.ShapeDtypeStruct((48,) + x.shape, x.dtype)
-    stacked = structs[:5] + (stack(structs[5]), stack(structs[6]), tuple(map(stack, structs[7])),
-                             stack(structs[8])) + structs[9:]
+    stacked = (
+        structs[:5]
+        + (stack(structs[5]), stack(structs[6]), tuple(map(stack, structs[7])), stack(structs[8]))
+        + structs[9:]
+    )
     assert kv.supports(*stacked, 8, layer=47)
     text = lower_for_h200(lambda *a: kv.gdn_verify(*a, 8, interpret=False, layer=47), *stacked)
     assert "__gpu$xla.gpu.triton" in text
@@ -390,7 +435,7 @@ def test_gpu_matches_reference(hist, ckpt_dtype, ring):
     got = as_np(_kernel_fn(8, cfg, False)(*args))
     exp = as_np(_ref_fn(8)(*args))
     check_against_ref(args, got, exp, 8, 1e-4)
-    again = as_np(_kernel_fn(8, cfg, False)(*args))           # deterministic (no race)
+    again = as_np(_kernel_fn(8, cfg, False)(*args))  # deterministic (no race)
     np.testing.assert_array_equal(oracle.bits(got[0]), oracle.bits(again[0]))
 
 
@@ -411,8 +456,10 @@ def test_gpu_coefficients_same_per_head_or_key_head():
 @pytest.mark.parametrize("ckpt_dtype,ring", [("f32", "f32"), ("bf16", "bf16-hilo")])
 def test_gpu_layer_stack_in_place(ckpt_dtype, ring):
     dt = {"f32": jnp.float32, "bf16": bf16}[ckpt_dtype]
-    cases = [make_case(70 + i, "partial", dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
-             for i in range(3)]
+    cases = [
+        make_case(70 + i, "partial", dt, ring, requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
+        for i in range(3)
+    ]
     check_stacked(cases, 1, jax.jit(lambda *a: kv.gdn_verify(*a, 8, layer=1)), _kernel_fn(8, None, False))
 
 
@@ -421,8 +468,9 @@ def test_gpu_layer_stack_in_place(ckpt_dtype, ring):
 @pytest.mark.parametrize("t_max", [1, 16, 27])
 def test_gpu_t_max(t_max):
     reqs = [(3, t_max), (0, 1), (1, max(1, t_max // 2)), (7, 0), (4, 1)]
-    args = make_case(60, "partial", bf16, "bf16-hilo", requests=reqs, t_max=t_max, n_pad=3,
-                     shapes=dict(GPU_SHAPES, L=32))
+    args = make_case(
+        60, "partial", bf16, "bf16-hilo", requests=reqs, t_max=t_max, n_pad=3, shapes=dict(GPU_SHAPES, L=32)
+    )
     got = as_np(_kernel_fn(t_max, None, False)(*args))
     exp = as_np(_ref_fn(t_max)(*args))
     check_against_ref(args, got, exp, t_max, 1e-4)
@@ -432,7 +480,6 @@ def test_gpu_t_max(t_max):
 @gpu
 @pytest.mark.parametrize("field", ["q", "k", "v", "g", "beta"])
 def test_gpu_poison_contained(field):
-    args = make_case(70, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5,
-                     shapes=GPU_SHAPES)
+    args = make_case(70, "partial", jnp.float32, "f32", requests=GPU_REQUESTS, t_max=8, n_pad=5, shapes=GPU_SHAPES)
     fn = _kernel_fn(8, None, False)
     oracle.check_verify_poison(args, fn(*args), field, np.nan, fn, POISON_REQ, POISON_T)

@@ -1,6 +1,7 @@
 """The one-launch observe kernel (jaxspec/pallas/observe.py) against the jnp `estimator.observe`.
 
 CPU: interpret mode. GPU (`pytest -m gpu`): the same cases compiled."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,9 +25,9 @@ def make_step(rng, batch, positions, special=True):
     acc = np.minimum(ver, rng.integers(0, positions + 1, batch)).astype(np.int32)
     if special and batch >= 4:
         x[0, 0], x[1, -1], x[2, positions // 2] = np.nan, np.inf, -np.inf
-        ver[3], acc[3] = 0, 0                          # padding row: observes nothing
-        ver[-1], acc[-1] = positions, positions        # every draft accepted: no 0 label
-        x[-2, :] = 60.0                                # clamped to +40
+        ver[3], acc[3] = 0, 0  # padding row: observes nothing
+        ver[-1], acc[-1] = positions, positions  # every draft accepted: no 0 label
+        x[-2, :] = 60.0  # clamped to +40
     return jnp.asarray(x), jnp.asarray(ver), jnp.asarray(acc)
 
 
@@ -42,14 +43,12 @@ def check_state(got, ref):
 
 
 def kernel(config, interpret, poison=True):
-    return jax.jit(lambda s, x, v, a: po.observe(s, x, v, a, config=config, interpret=interpret,
-                                                  poison_outputs=poison))
+    return jax.jit(lambda s, x, v, a: po.observe(s, x, v, a, config=config, interpret=interpret, poison_outputs=poison))
 
 
 def started_state(rng, positions, refit):
     """A state with non-zero statistics, slope and intercepts; the next call refits or not."""
-    state = est.init(positions, slope=0.8, intercept=list(rng.uniform(-1, 1, positions)),
-                     refit_interval=10)
+    state = est.init(positions, slope=0.8, intercept=list(rng.uniform(-1, 1, positions)), refit_interval=10)
     x, v, a = make_step(rng, 64, positions, special=False)
     state = est.observe(state, x, v, a, impl="ref")
     return state.replace(calls=jnp.asarray(9 if refit else 5, jnp.int32))
@@ -71,15 +70,18 @@ def test_supports():
     s = est.init(7)
     x, v = jnp.zeros((4, 7)), jnp.zeros((4,), jnp.int32)
     assert po.supports(s, x, v, v)
-    assert not po.supports(s, jnp.zeros((4, 6)), v, v)                 # positions of another state
-    assert not po.supports(s, x, jnp.zeros((3,), jnp.int32), v)         # one label per row
-    assert not po.supports(s, x, v.astype(jnp.float32), v)              # integer labels
+    assert not po.supports(s, jnp.zeros((4, 6)), v, v)  # positions of another state
+    assert not po.supports(s, x, jnp.zeros((3,), jnp.int32), v)  # one label per row
+    assert not po.supports(s, x, v.astype(jnp.float32), v)  # integer labels
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("refit", [False, True], ids=["accumulate", "refit"])
-@pytest.mark.parametrize("batch,positions", [(1, 7), (5, 3), (37, 15), (130, 1), (300, 7)],
-                         ids=["b1-p7", "b5-p3", "b37-p15", "b130-p1", "b300-p7"])
+@pytest.mark.parametrize(
+    "batch,positions",
+    [(1, 7), (5, 3), (37, 15), (130, 1), (300, 7)],
+    ids=["b1-p7", "b5-p3", "b37-p15", "b130-p1", "b300-p7"],
+)
 def test_matches_reference(batch, positions, refit, cfg):
     rng = np.random.default_rng(batch * 100 + positions)
     state = started_state(rng, positions, refit)
@@ -87,7 +89,7 @@ def test_matches_reference(batch, positions, refit, cfg):
     got = kernel(CONFIGS[cfg], True)(state, x, v, a)
     ref = est.observe(state, x, v, a, impl="ref")
     check_state(got, ref)
-    if refit:       # the step was taken and the statistics cleared
+    if refit:  # the step was taken and the statistics cleared
         assert float(ref.slope) != float(state.slope) and int(got.n) == 0 and float(got.h_xx) == 0.0
     else:
         assert int(got.n) > int(state.n) and float(got.slope) == float(state.slope)
@@ -113,12 +115,13 @@ def test_tracks_reference_over_many_refits():
     for _ in range(250):
         x = rng.standard_normal((batch, positions)).astype(np.float32) * 2
         p = 1 / (1 + np.exp(-(1.0 * x + true_b)))
-        accepted = np.argmin(np.concatenate([rng.random((batch, positions)) < p,
-                                             np.zeros((batch, 1), bool)], 1), axis=1).astype(np.int32)
+        accepted = np.argmin(
+            np.concatenate([rng.random((batch, positions)) < p, np.zeros((batch, 1), bool)], 1), axis=1
+        ).astype(np.int32)
         ver = np.full(batch, positions, np.int32)
         args = (jnp.asarray(x), jnp.asarray(ver), jnp.asarray(accepted))
         ref, got = est.observe(ref, *args, impl="ref"), step(got, *args)
-    assert abs(float(ref.slope) - 1.0) < 0.2                       # the data's slope is being learnt
+    assert abs(float(ref.slope) - 1.0) < 0.2  # the data's slope is being learnt
     np.testing.assert_allclose(float(got.slope), float(ref.slope), rtol=1e-4)
     np.testing.assert_allclose(np.asarray(got.intercepts), np.asarray(ref.intercepts), rtol=1e-4, atol=1e-4)
 
@@ -128,10 +131,11 @@ def test_dispatch():
     state = started_state(rng, 7, False)
     x, v, a = make_step(rng, 9, 7)
     auto = est.observe(state, x, v, a)
-    if jax.default_backend() != "gpu":        # auto is the jnp form off the GPU
+    if jax.default_backend() != "gpu":  # auto is the jnp form off the GPU
         for field in po.FIELDS:
-            np.testing.assert_array_equal(np.asarray(getattr(auto, field)),
-                                          np.asarray(getattr(est.observe(state, x, v, a, impl="ref"), field)))
+            np.testing.assert_array_equal(
+                np.asarray(getattr(auto, field)), np.asarray(getattr(est.observe(state, x, v, a, impl="ref"), field))
+            )
     check_state(est.observe(state, x, v, a, impl="pallas"), auto)
     with pytest.raises(ValueError, match="impl"):
         est.observe(state, x, v, a, impl="fast")

@@ -36,10 +36,11 @@ def brute_force_prefix(survival, budget):
 def top_counts(survival, budget):
     """Per request, how many of the top-budget candidates (any set, not only prefixes) it owns."""
     b, d = survival.shape
-    cands = sorted(((r, k) for r in range(b) for k in range(d)), key=lambda rk: _key(survival[rk], rk[1], rk[0]),
-                   reverse=True)
+    cands = sorted(
+        ((r, k) for r in range(b) for k in range(d)), key=lambda rk: _key(survival[rk], rk[1], rk[0]), reverse=True
+    )
     counts = np.zeros(b, np.int32)
-    for r, _ in cands[:max(0, min(budget, b * d))]:
+    for r, _ in cands[: max(0, min(budget, b * d))]:
         counts[r] += 1
     return counts
 
@@ -63,15 +64,24 @@ def test_plan_lengths_brute_force(b, d):
             np.testing.assert_array_equal(got, top_counts(s, budget))
             assert got.dtype == np.int32 and got.sum() == budget
             # the chosen set has the largest survival mass of any prefix allocation
-            assert np.isclose(sum(s[r, :got[r]].sum() for r in range(b)),
-                              expected_tokens(s)[budget] - b, rtol=0, atol=1e-6)
+            assert np.isclose(
+                sum(s[r, : got[r]].sum() for r in range(b)), expected_tokens(s)[budget] - b, rtol=0, atol=1e-6
+            )
 
 
 def test_plan_lengths_ties_explicit():
     s = np.full((3, 4), 0.5, np.float32)
     # equal survivals: position ascending first, then request ascending
-    want = {0: [0, 0, 0], 1: [1, 0, 0], 2: [1, 1, 0], 3: [1, 1, 1], 4: [2, 1, 1], 5: [2, 2, 1],
-            7: [3, 2, 2], 12: [4, 4, 4]}
+    want = {
+        0: [0, 0, 0],
+        1: [1, 0, 0],
+        2: [1, 1, 0],
+        3: [1, 1, 1],
+        4: [2, 1, 1],
+        5: [2, 2, 1],
+        7: [3, 2, 2],
+        12: [4, 4, 4],
+    }
     for budget, lengths in want.items():
         np.testing.assert_array_equal(plan_jit(s, budget), lengths, f"budget={budget}")
     s = np.array([[0.9, 0.5, 0.5], [0.5, 0.5, 0.1]], np.float32)
@@ -107,19 +117,19 @@ def test_plan_lengths_non_monotone_rows():
         for budget in range(b * d + 1):
             np.testing.assert_array_equal(plan_jit(s, budget), top_counts(s, budget), f"s={s.tolist()} n={budget}")
     s = np.array([[0.1, 0.9], [0.5, 0.4]], np.float32)
-    np.testing.assert_array_equal(plan_jit(s, 1), [1, 0])   # the 0.9 at position 1 counts as length 1
+    np.testing.assert_array_equal(plan_jit(s, 1), [1, 0])  # the 0.9 at position 1 counts as length 1
     np.testing.assert_array_equal(plan_jit(s, 2), [1, 1])
 
 
 def test_plan_lengths_traced_budget_and_eager():
     s = jnp.asarray([[0.9, 0.7, 0.2], [0.8, 0.1, 0.05]], jnp.float32)
     f = jax.jit(lambda s, n: plan_lengths(s, n))
-    lowered = f.lower(s, jnp.int32(0))                        # budget is a tracer: one compile for all
+    lowered = f.lower(s, jnp.int32(0))  # budget is a tracer: one compile for all
     compiled = lowered.compile()
     for budget in range(7):
         want = top_counts(np.asarray(s), budget)
         np.testing.assert_array_equal(compiled(s, jnp.int32(budget)), want)
-        np.testing.assert_array_equal(plan_lengths(s, budget), want)          # eager, python int
+        np.testing.assert_array_equal(plan_lengths(s, budget), want)  # eager, python int
     # inside a larger traced computation: vmap over budgets
     got = jax.vmap(plan_lengths, in_axes=(None, 0))(s, jnp.arange(7, dtype=jnp.int32))
     np.testing.assert_array_equal(got, [top_counts(np.asarray(s), n) for n in range(7)])
@@ -150,7 +160,7 @@ def test_choose_budget_brute_force():
         tier_tokens, admissible = tiers(b, block)
         # a concave-ish or convex-ish cost curve per batch, plus a neighbouring batch
         base, slope, curve = rng.uniform(0.5, 2), rng.uniform(0.001, 0.2), rng.uniform(0.5, 1.5)
-        entries = {(bb, t): base + slope * t ** curve for bb in (b, b + 3) for t in tiers(bb, block)[0]}
+        entries = {(bb, t): base + slope * t**curve for bb in (b, b + 3) for t in tiers(bb, block)[0]}
         table = CostTable(entries)
         s = np.cumprod(rng.uniform(0.3, 1.0, size=(b, d)), axis=1)
         got = choose_budget(s, table, admissible)
@@ -165,7 +175,7 @@ def test_choose_budget_ties_and_trivial():
     # cost proportional to tokens and every draft surely accepted: tau(n)/c(n) = 1 for every n
     table = CostTable({(b, t): float(t) for t in range(1, b * block + 1)})
     assert choose_budget(s, table, admissible) == admissible[0] == 0
-    assert choose_budget(s, table, [12, 4, 28]) == 4                       # smallest n, whatever the order given
+    assert choose_budget(s, table, [12, 4, 28]) == 4  # smallest n, whatever the order given
     # a flat cost: verify everything; a steep one: nothing
     assert choose_budget(s * 0.5, CostTable({(b, 4): 1.0, (b, 32): 1.0}), admissible) == 28
     assert choose_budget(s * 0.01, CostTable({(b, 4): 1.0, (b, 32): 100.0}), admissible) == 0
@@ -191,11 +201,11 @@ def test_expected_tokens():
 
 def test_cost_table_interpolation():
     t = CostTable({(2, 2): 1.0, (2, 10): 3.0, (4, 4): 2.0, (4, 20): 6.0})
-    assert t.step_time(2, 2) == 1.0 and t.step_time(2, 10) == 3.0          # measured points exactly
-    assert t.step_time(2, 6) == pytest.approx(2.0)                        # linear in tokens
-    assert t.step_time(2, 1) == 1.0 and t.step_time(2, 100) == 3.0         # clamped in tokens
-    assert t.step_time(1, 6) == pytest.approx(2.0)                        # batch below: the smallest batch's curve
-    assert t.step_time(9, 12) == pytest.approx(4.0)                       # batch above: the largest batch's curve
+    assert t.step_time(2, 2) == 1.0 and t.step_time(2, 10) == 3.0  # measured points exactly
+    assert t.step_time(2, 6) == pytest.approx(2.0)  # linear in tokens
+    assert t.step_time(2, 1) == 1.0 and t.step_time(2, 100) == 3.0  # clamped in tokens
+    assert t.step_time(1, 6) == pytest.approx(2.0)  # batch below: the smallest batch's curve
+    assert t.step_time(9, 12) == pytest.approx(4.0)  # batch above: the largest batch's curve
     # batch 3 = halfway between 2 and 4: at tokens 10, batch 2 gives 3.0 (clamped), batch 4 gives 3.5
     assert t.step_time(3, 10) == pytest.approx(3.25)
     assert t.step_time(3, 4) == pytest.approx(0.5 * 1.5 + 0.5 * 2.0)
@@ -215,7 +225,7 @@ def test_cost_table_save_load(tmp_path):
     path = tmp_path / "cost.json"
     t.save(path)
     u = CostTable.load(path)
-    assert u.entries == entries                                            # floats round-trip exactly
+    assert u.entries == entries  # floats round-trip exactly
     assert u.metadata["model"] == "qwen-test" and u.metadata["note"] == "x"
     assert u.metadata["device"] and u.metadata["date"]
     assert u.metadata == t.metadata

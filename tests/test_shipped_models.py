@@ -1,5 +1,6 @@
 """The trained tiny models shipped under models/: they load, decode losslessly, and the draft earns
 its keep (models/README.md has the recipe and the full acceptance table)."""
+
 import json
 import os
 
@@ -43,7 +44,8 @@ def test_greedy_static_equals_none_and_accepts(models, module_file):
     spec = dict(num_slots=1, max_len=512)
     plain = Engine(target, None, SpecConfig(verify_mode="none", **spec)).generate([prompt], max_new_tokens=64)[0]
     fast = Engine(target, draft, SpecConfig(verify_mode="static", block_size=8, **spec)).generate(
-        [prompt], max_new_tokens=64)[0]
+        [prompt], max_new_tokens=64
+    )[0]
     assert plain.error is None and fast.error is None
     assert len(fast.tokens) == 64
     np.testing.assert_array_equal(fast.tokens, plain.tokens)

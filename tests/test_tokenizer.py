@@ -1,4 +1,5 @@
 """Tokenizers: byte level for the project's models, tokenizer.json through `tokenizers`."""
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -9,7 +10,7 @@ def test_byte_tokenizer_round_trip():
     tok = ByteTokenizer()
     text = "def f(x):\n    return x  # é"
     assert tok.decode(tok.encode(text)) == text
-    assert tok.decode(tok.encode("ab") + [300]) == "ab"            # ids past the byte range decode to nothing
+    assert tok.decode(tok.encode("ab") + [300]) == "ab"  # ids past the byte range decode to nothing
 
 
 @pytest.fixture

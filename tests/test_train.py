@@ -1,5 +1,6 @@
 """jaxspec.train and `jaxspec train`: corpus split, target and draft training on tiny configs,
 checkpoints that load, and the DFlash training forward held to dflash.propose."""
+
 import dataclasses
 import json
 import os
@@ -26,20 +27,39 @@ def corpus():
 
 
 def test_held_out_rule_on_a_synthetic_tree(tmp_path):
-    files = ["argparse.py", "os.py", "json/__init__.py", "json/decoder.py", "email/parser.py",
-             "test/test_json/test_fail.py", "test/test_argparse.py", "test/test_os.py", "test/support/__init__.py",
-             "site-packages/pkg/mod.py", "dist-packages/x.py", "__pycache__/argparse.py", "README.txt"]
+    files = [
+        "argparse.py",
+        "os.py",
+        "json/__init__.py",
+        "json/decoder.py",
+        "email/parser.py",
+        "test/test_json/test_fail.py",
+        "test/test_argparse.py",
+        "test/test_os.py",
+        "test/support/__init__.py",
+        "site-packages/pkg/mod.py",
+        "dist-packages/x.py",
+        "__pycache__/argparse.py",
+        "README.txt",
+    ]
     for f in files:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text(f"# {f}\n")
     tr, held = train.corpus_files(tmp_path)
-    assert held == ["argparse.py", "json/__init__.py", "json/decoder.py", "test/test_argparse.py",
-                    "test/test_json/test_fail.py"]
+    assert held == [
+        "argparse.py",
+        "json/__init__.py",
+        "json/decoder.py",
+        "test/test_argparse.py",
+        "test/test_json/test_fail.py",
+    ]
     assert tr == ["email/parser.py", "os.py", "test/support/__init__.py", "test/test_os.py"]
     c_train, c_held = train.load_corpus(tmp_path)
-    assert c_held.tokens.tolist() == list(b"# argparse.py\n") + [train.EOS_ID] + list(b"# json/__init__.py\n") + \
-        [train.EOS_ID] + list(b"# json/decoder.py\n") + [train.EOS_ID] + list(b"# test/test_argparse.py\n") + \
-        [train.EOS_ID] + list(b"# test/test_json/test_fail.py\n") + [train.EOS_ID]
+    assert c_held.tokens.tolist() == list(b"# argparse.py\n") + [train.EOS_ID] + list(b"# json/__init__.py\n") + [
+        train.EOS_ID
+    ] + list(b"# json/decoder.py\n") + [train.EOS_ID] + list(b"# test/test_argparse.py\n") + [train.EOS_ID] + list(
+        b"# test/test_json/test_fail.py\n"
+    ) + [train.EOS_ID]
     assert len(c_train.tokens) == sum(len(f"# {f}\n") + 1 for f in tr)
 
 
@@ -54,7 +74,7 @@ def test_stdlib_split_is_disjoint_sorted_and_deterministic(corpus):
     assert (tr, held) == train.corpus_files()
     c_train, c_held = corpus
     assert c_train.files == tr and c_held.files == held
-    assert c_train.tokens.max() == train.EOS_ID and len(c_train.tokens) > 10 * len(c_held.tokens) > 10 ** 6
+    assert c_train.tokens.max() == train.EOS_ID and len(c_train.tokens) > 10 * len(c_held.tokens) > 10**6
 
 
 def test_window_sampling_is_seeded(corpus):
@@ -88,6 +108,7 @@ def test_loop_cadence_and_time_limit():
     """Logs every log_every steps, evaluates and saves every eval_every steps and at the end; a time
     limit makes the step in hand the last one (evaluated and saved). A fake clock that each step
     advances by 0.25 s: with a 1 s limit the fifth step is the first past it."""
+
     def run(steps, eval_every, time_limit=None):
         train_log, eval_log, saved, rates = [], [], [], []
         t = [0.0]
@@ -97,20 +118,34 @@ def test_loop_cadence_and_time_limit():
             t[0] += 0.25
             return np.float32(len(saved)), np.float32(1.0)
 
-        clock = train._loop(steps=steps, step_fn=step_fn, batch_fn=lambda: None, eval_fn=lambda: {"loss": 0.5},
-                            eval_every=eval_every, log_every=4, tokens_per_step=8, save_fn=saved.append,
-                            progress=False, desc="t", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
-                            lr=1.0, warmup=2, now=lambda: t[0])
+        clock = train._loop(
+            steps=steps,
+            step_fn=step_fn,
+            batch_fn=lambda: None,
+            eval_fn=lambda: {"loss": 0.5},
+            eval_every=eval_every,
+            log_every=4,
+            tokens_per_step=8,
+            save_fn=saved.append,
+            progress=False,
+            desc="t",
+            train_log=train_log,
+            eval_log=eval_log,
+            time_limit=time_limit,
+            lr=1.0,
+            warmup=2,
+            now=lambda: t[0],
+        )
         return clock, [r["step"] for r in train_log], [r["step"] for r in eval_log], saved, rates
 
     clock, logged, evaluated, saved, rates = run(10, 6)
     assert clock.last_step == 10 and logged == [4, 8, 10] and evaluated == saved == [6, 10]
-    assert clock.rate(8) == pytest.approx(9 * 8 / (0.25 * 9))        # 9 timed steps of 0.25 s, 8 tokens each
+    assert clock.rate(8) == pytest.approx(9 * 8 / (0.25 * 9))  # 9 timed steps of 0.25 s, 8 tokens each
     expected = [train.learning_rate(s, s / 10, 1.0, 2) for s in range(1, 11)]
     np.testing.assert_allclose(rates, expected, rtol=1e-6)
     assert rates[-1] == pytest.approx(0.1, rel=1e-6)
     clock, logged, evaluated, saved, rates = run(1000, 0, time_limit=1.0)
-    assert clock.last_step == 5                                          # 1.25 s > 1 s; 1.0 s is not past it
+    assert clock.last_step == 5  # 1.25 s > 1 s; 1.0 s is not past it
     assert evaluated == saved == [5] and logged == [4, 5]
     # the cosine follows the clock: step s runs at progress max(s / 1000, 0.25 (s - 1))
     expected = [train.learning_rate(s, max(s / 1000, 0.25 * (s - 1)), 1.0, 2) for s in range(1, 6)]
@@ -124,9 +159,21 @@ def test_loop_cadence_and_time_limit():
 @pytest.fixture(scope="module")
 def trained_target(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("target")
-    target, metrics = train.train_target(train.tiny_target_config(**TINY), steps=36, batch=8, seq_len=64, lr=3e-3,
-                                         warmup=4, eval_every=0, eval_batches=1, log_every=6, seed=0, out_dir=out,
-                                         corpus=corpus, progress=False)
+    target, metrics = train.train_target(
+        train.tiny_target_config(**TINY),
+        steps=36,
+        batch=8,
+        seq_len=64,
+        lr=3e-3,
+        warmup=4,
+        eval_every=0,
+        eval_batches=1,
+        log_every=6,
+        seed=0,
+        out_dir=out,
+        corpus=corpus,
+        progress=False,
+    )
     return target, metrics, out
 
 
@@ -157,9 +204,22 @@ def test_saved_target_loads_and_reproduces_logits(trained_target, corpus):
 def test_draft_training_reduces_the_loss_and_saves(trained_target, corpus, tmp_path):
     target, _, _ = trained_target
     config = train.tiny_draft_config(target.config, num_hidden_layers=1, block_size=4)
-    draft, metrics = train.train_draft(target, config, steps=24, batch=8, seq_len=48, anchors_per_seq=6, lr=3e-3,
-                                       warmup=3, eval_every=0, eval_batches=1, log_every=6, out_dir=tmp_path,
-                                       corpus=corpus, progress=False)
+    draft, metrics = train.train_draft(
+        target,
+        config,
+        steps=24,
+        batch=8,
+        seq_len=48,
+        anchors_per_seq=6,
+        lr=3e-3,
+        warmup=3,
+        eval_every=0,
+        eval_batches=1,
+        log_every=6,
+        out_dir=tmp_path,
+        corpus=corpus,
+        progress=False,
+    )
     losses = [r["loss"] for r in metrics["train"]]
     assert losses[-1] < 0.85 * losses[0], losses
     last = metrics["eval"][-1]
@@ -176,12 +236,13 @@ def test_training_forward_equals_propose(window):
     """The training forward's block at anchor a == propose after write_context of positions < a."""
     cfg = train.tiny_target_config(hidden_size=64, num_hidden_layers=4, head_dim=16, intermediate_size=96)
     target = init_target(cfg, jax.random.PRNGKey(0))
-    config = dataclasses.replace(train.tiny_draft_config(cfg, block_size=5, target_layer_ids=(0, 2, 3)),
-                                 context_window=window)
+    config = dataclasses.replace(
+        train.tiny_draft_config(cfg, block_size=5, target_layer_ids=(0, 2, 3)), context_window=window
+    )
     draft = dflash.init_draft(config, jax.random.PRNGKey(1))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (2, 24)).astype(np.int32)
-    anchors = np.array([[1, 7, 19], [4, 12, 19]], np.int32)          # 19 = T - B, the last block that fits
+    anchors = np.array([[1, 7, 19], [4, 12, 19]], np.int32)  # 19 = T - B, the last block that fits
     _, hidden = jax.jit(train.target_hidden, static_argnums=2)(target, jnp.asarray(tokens), config.target_layer_ids)
     got = jax.jit(train.draft_block_logits)(draft, target, hidden, jnp.asarray(tokens), jnp.asarray(anchors))
     assert got.shape == (2, 3, 4, cfg.vocab_size)
@@ -194,11 +255,18 @@ def test_training_forward_equals_propose(window):
             rows.append(np.asarray(hidden[i, :a]))
             pos.append(np.arange(a))
             slot.append(np.full(a, 1 + 3 * i + n))
-    state = dflash.write_context(draft, state, jnp.asarray(np.concatenate(rows)), jnp.asarray(np.concatenate(pos)),
-                                 jnp.asarray(np.concatenate(slot), jnp.int32), jnp.ones(sum(map(len, pos)), bool))
+    state = dflash.write_context(
+        draft,
+        state,
+        jnp.asarray(np.concatenate(rows)),
+        jnp.asarray(np.concatenate(pos)),
+        jnp.asarray(np.concatenate(slot), jnp.int32),
+        jnp.ones(sum(map(len, pos)), bool),
+    )
     anchor_tokens = jnp.asarray(tokens[np.arange(2)[:, None], anchors].reshape(-1))
-    want, _ = jax.jit(dflash.propose)(draft, target, state, anchor_tokens, jnp.arange(1, 7, dtype=jnp.int32),
-                                      jnp.asarray(anchors.reshape(-1)))
+    want, _ = jax.jit(dflash.propose)(
+        draft, target, state, anchor_tokens, jnp.arange(1, 7, dtype=jnp.int32), jnp.asarray(anchors.reshape(-1))
+    )
     np.testing.assert_allclose(np.asarray(got).reshape(want.shape), np.asarray(want), atol=1e-5, rtol=1e-5)
 
     # the loss weights position k by exp(-(k-1)/gamma) against token a + k
@@ -213,9 +281,33 @@ def test_training_forward_equals_propose(window):
 
 def test_cli_train_target_writes_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "tgt"
-    argv = ["train", "target", "--out", str(out), "--steps", "3", "--batch", "2", "--seq-len", "32", "--hidden-size",
-            "32", "--intermediate-size", "64", "--layers", "2", "--full-attention-interval", "2", "--head-dim", "16",
-            "--eval-batches", "1", "--dtype", "bfloat16", "--no-progress"]
+    argv = [
+        "train",
+        "target",
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--hidden-size",
+        "32",
+        "--intermediate-size",
+        "64",
+        "--layers",
+        "2",
+        "--full-attention-interval",
+        "2",
+        "--head-dim",
+        "16",
+        "--eval-batches",
+        "1",
+        "--dtype",
+        "bfloat16",
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and np.isfinite(summary["held_out"]["loss"])
@@ -225,14 +317,18 @@ def test_cli_train_target_writes_a_checkpoint(tmp_path, capsys):
     assert {"metrics.json", "loss_curve.png", "model.safetensors"} <= set(os.listdir(out))
 
 
-@pytest.mark.parametrize("argv,argument", [
-    (["target", "--steps", "0"], "--steps"),
-    (["target", "--seq-len", "x"], "--seq-len"),
-    (["target", "--head-dim", "12"], "--head-dim"),
-    (["target", "--corpus", "/nonexistent"], "--corpus"),
-    (["draft", "--target", "/nonexistent"], "--target"),
-    (["draft", "--gamma", "0"], "--gamma"),
-], ids=["steps", "seq-len", "head-dim", "corpus", "target", "gamma"])
+@pytest.mark.parametrize(
+    "argv,argument",
+    [
+        (["target", "--steps", "0"], "--steps"),
+        (["target", "--seq-len", "x"], "--seq-len"),
+        (["target", "--head-dim", "12"], "--head-dim"),
+        (["target", "--corpus", "/nonexistent"], "--corpus"),
+        (["draft", "--target", "/nonexistent"], "--target"),
+        (["draft", "--gamma", "0"], "--gamma"),
+    ],
+    ids=["steps", "seq-len", "head-dim", "corpus", "target", "gamma"],
+)
 def test_cli_train_invalid_arguments_exit_2(argv, argument, tmp_path, capsys):
     if argv[0] == "draft" and "--target" not in argv:
         argv = argv + ["--target", str(tmp_path)]

@@ -34,6 +34,7 @@ lengths <= t_max, query_start_loc[B] <= N, slots in [0, S1). Interpret mode need
 indexers for gathers and scatters, and drops masked scatter lanes pointed past the array.
 Timings: bench/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,15 +44,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
 from jaxspec.pallas.tiles import gqa_row_map, is_layer_index, is_pow2, layer_operand, next_pow2
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
-MAX_ROWS = 128            # rows of the stacked (token, q head) tile: t_max * Hq/KVH <= 128
-MAX_TILE = 128 * 256      # R * D (padded) <= 32768: the fp32 accumulator lives in registers
+MAX_ROWS = 128  # rows of the stacked (token, q head) tile: t_max * Hq/KVH <= 128
+MAX_TILE = 128 * 256  # R * D (padded) <= 32768: the fp32 accumulator lives in registers
 MAX_D = 256
-NEG = -1e30               # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
+NEG = -1e30  # finite "minus infinity" for m and lse (exp2(NEG - x) == 0, no NaN)
 LOG2E = 1.4426950408889634
 PARTIAL_DTYPES = ("float32", "bfloat16")
 
@@ -94,6 +96,7 @@ class AttentionVerifyConfig:
       combine), as vLLM's paged attention v2 keeps its partials in the output dtype, at one
       extra bfloat16 rounding (relative 2^-9) before the merge.
     """
+
     block_k: int | None = None
     block_d: int | None = None
     num_splits: int | None = None
@@ -132,7 +135,7 @@ class AttentionVerifyConfig:
         """The launch plan of a call (all static)."""
         f32 = jnp.dtype(dtype) == jnp.dtype(F32)
         d_pad = max(16, next_pow2(d))
-        fills = 2 * num_requests * kv_heads > self.target_programs        # one split per (request, head)
+        fills = 2 * num_requests * kv_heads > self.target_programs  # one split per (request, head)
         num_splits = self.num_splits or max(1, self.target_programs // (num_requests * kv_heads))
         # 64-key blocks where splits are long (>= 512 keys) and the tile small: 64 keys x 3 stages
         # of K and V at D 256 is 192 KB of shared memory (a 128-row tile does not fit); on
@@ -149,9 +152,17 @@ class AttentionVerifyConfig:
         num_stages = self.num_stages or (1 if f32 else 4 if fills else 3)
         # split-merge tiles: [splits (pow2), rows, columns] of ~8192 fp32 values per program
         combine_d = min(self.combine_block_d, d_pad)
-        return dict(block_k=block_k, block_d=block_d, num_splits=num_splits, min_split=min_split,
-                    num_warps=num_warps, num_stages=num_stages, combine_d=combine_d,
-                    combine_warps=self.combine_warps, partial_dtype=jnp.dtype(self.partial_dtype or dtype))
+        return dict(
+            block_k=block_k,
+            block_d=block_d,
+            num_splits=num_splits,
+            min_split=min_split,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            combine_d=combine_d,
+            combine_warps=self.combine_warps,
+            partial_dtype=jnp.dtype(self.partial_dtype or dtype),
+        )
 
 
 def combine_tile_rows(rows: int, partials: int, combine_d: int) -> int:
@@ -174,8 +185,11 @@ def supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer
     `layer` (an int or int32 scalar, traced is fine) the caches are layer stacks [A, S1, M, KVH, D]."""
     try:
         if layer is not None:
-            if not (len(k_cache.shape) == 5 and is_layer_index(layer, k_cache.shape[0])
-                    and tuple(v_cache.shape) == tuple(k_cache.shape)):
+            if not (
+                len(k_cache.shape) == 5
+                and is_layer_index(layer, k_cache.shape[0])
+                and tuple(v_cache.shape) == tuple(k_cache.shape)
+            ):
                 return False
             k_cache = v_cache = jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype)
         if q.ndim != 3 or k_cache.ndim != 4 or slots.ndim != 1:
@@ -187,12 +201,20 @@ def supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer
             return False
         _, rows, d_pad = _geometry(q.shape, k_cache.shape, t_max)
         return bool(
-            n >= 1 and b >= 1 and s1 >= 1 and m >= 1 and 1 <= d <= MAX_D and dk == d
+            n >= 1
+            and b >= 1
+            and s1 >= 1
+            and m >= 1
+            and 1 <= d <= MAX_D
+            and dk == d
             and tuple(v_cache.shape) == tuple(k_cache.shape)
-            and seq_lens.shape == (s1,) and query_start_loc.shape == (b + 1,)
-            and t_max * (hq // kvh) <= MAX_ROWS and rows * d_pad <= MAX_TILE
+            and seq_lens.shape == (s1,)
+            and query_start_loc.shape == (b + 1,)
+            and t_max * (hq // kvh) <= MAX_ROWS
+            and rows * d_pad <= MAX_TILE
             and jnp.dtype(q.dtype) in _DTYPES
-            and jnp.dtype(k_cache.dtype) == jnp.dtype(q.dtype) and jnp.dtype(v_cache.dtype) == jnp.dtype(q.dtype)
+            and jnp.dtype(k_cache.dtype) == jnp.dtype(q.dtype)
+            and jnp.dtype(v_cache.dtype) == jnp.dtype(q.dtype)
             and jnp.issubdtype(seq_lens.dtype, jnp.integer)
             and jnp.issubdtype(query_start_loc.dtype, jnp.integer)
             and jnp.issubdtype(slots.dtype, jnp.integer)
@@ -228,8 +250,11 @@ def _write_rows(o_ref, vals, start, tok, head, valid, cols, cmask):
     """o[start + tok, head, cols] = vals on valid rows (masked lanes point past the array)."""
     n_tok = o_ref.shape[0]
     tok = jnp.where(valid, start + tok, n_tok)
-    plgpu.store(o_ref.at[tok[:, None], head[:, None], cols[None, :]], vals.astype(o_ref.dtype),
-                mask=valid[:, None] & cmask[None, :])
+    plgpu.store(
+        o_ref.at[tok[:, None], head[:, None], cols[None, :]],
+        vals.astype(o_ref.dtype),
+        mask=valid[:, None] & cmask[None, :],
+    )
 
 
 def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmask):
@@ -249,16 +274,38 @@ def _zero_padding(o_ref, qsl_ref, p, num_requests, g, rep, pair_rows, cols, cmas
         _write_rows(o_ref, zeros, lo, pair // rep, g * rep + pair % rep, pair < pairs, cols, cmask)
         return carry
 
-    jax.lax.fori_loop(0, pl.cdiv(pairs, pair_rows), body, 0)    # pairs <= 0: no iteration
+    jax.lax.fori_loop(0, pl.cdiv(pairs, pair_rows), body, 0)  # pairs <= 0: no iteration
 
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
 
 
-def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_ref, *refs, num_requests, t_max,
-                   rep, rows, d, d_pad, block_d, block_k, num_splits, min_split, scale, final, stacked, causal,
-                   key_window):
+def _verify_kernel(
+    layer_ref,
+    qsl_ref,
+    slots_ref,
+    seq_lens_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    num_requests,
+    t_max,
+    rep,
+    rows,
+    d,
+    d_pad,
+    block_d,
+    block_k,
+    num_splits,
+    min_split,
+    scale,
+    final,
+    stacked,
+    causal,
+    key_window,
+):
     r, g, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     max_len = k_ref.shape[-3]
     # With a layer the caches are the whole stacks (no per-layer slice for XLA to copy).
@@ -271,7 +318,7 @@ def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_
     # head-dim chunks of the dots: whole chunks inside D, or one chunk of d_pad (masked tail)
     chunks = [c * block_d + jnp.arange(block_d, dtype=jnp.int32) for c in range(pl.cdiv(d, block_d))]
     cmasks = [cols < d for cols in chunks]
-    tail = len(chunks) * block_d != d                                   # one chunk, masked
+    tail = len(chunks) * block_d != d  # one chunk, masked
 
     seq_len = seq_lens_ref[slot]
     key_lo = first_key(seq_len, key_window)
@@ -283,40 +330,46 @@ def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_
     def _():
         q_tok = jnp.where(valid, start + tok, 0)
 
-        def load_q():                                                    # [R, block_d] per chunk
-            return [plgpu.load(q_ref.at[q_tok[:, None], head[:, None], cols[None, :]],
-                               mask=valid[:, None] & cm[None, :], other=0) for cols, cm in zip(chunks, cmasks)]
+        def load_q():  # [R, block_d] per chunk
+            return [
+                plgpu.load(
+                    q_ref.at[q_tok[:, None], head[:, None], cols[None, :]], mask=valid[:, None] & cm[None, :], other=0
+                )
+                for cols, cm in zip(chunks, cmasks)
+            ]
 
         q_in = None if f32_dots else load_q()
-        pos = seq_len + (tok if causal else jnp.full_like(tok, length - 1))     # [R] last key a row reads
+        pos = seq_len + (tok if causal else jnp.full_like(tok, length - 1))  # [R] last key a row reads
 
         def body(b, carry):
             accs, m, l = carry
             qs = q_in if q_in is not None else load_q()
             k0 = lo + b * block_k
             keys = k0 + jnp.arange(block_k, dtype=jnp.int32)
-            live = keys < hi                                             # split end, and M
+            live = keys < hi  # split end, and M
             sc, vbs = None, []
-            for c, (cols, cm) in enumerate(zip(chunks, cmasks)):
+            for c, cm in enumerate(cmasks):
                 kmask = live[:, None] & cm[None, :] if tail else live[:, None]
                 at = (*lay, slot, pl.ds(k0, block_k), g, pl.ds(c * block_d, block_d))
                 kb = plgpu.load(k_ref.at[at], mask=kmask, other=0)
                 vbs.append(plgpu.load(v_ref.at[at], mask=kmask, other=0))
                 part = plgpu.dot(qs[c], kb, trans_b=True, precision=precision)
                 sc = part if sc is None else sc + part
-            sc = sc * scale                                              # [R, block_k] f32, log2 units
+            sc = sc * scale  # [R, block_k] f32, log2 units
             sc = jnp.where((keys[None, :] <= pos[:, None]) & live[None, :], sc, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(sc, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(sc - m_new[:, None])
             l = l * alpha + jnp.sum(p, axis=1)
             pv = p.astype(vbs[0].dtype)
-            accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, vb, precision=precision)
-                         for acc, vb in zip(accs, vbs))
+            accs = tuple(acc * alpha[:, None] + plgpu.dot(pv, vb, precision=precision) for acc, vb in zip(accs, vbs))
             return accs, m_new, l
 
-        init = (tuple(jnp.zeros((rows, block_d), F32) for _ in chunks),
-                jnp.full((rows,), NEG, F32), jnp.zeros((rows,), F32))
+        init = (
+            tuple(jnp.zeros((rows, block_d), F32) for _ in chunks),
+            jnp.full((rows,), NEG, F32),
+            jnp.zeros((rows,), F32),
+        )
         # an empty split (lo >= n: hi - lo <= 0, no block) stores o_s = 0 and lse = NEG like any other
         accs, m, l = jax.lax.fori_loop(0, pl.cdiv(hi - lo, block_k), body, init)
         inv = 1.0 / jnp.where(l > 0, l, 1.0)
@@ -326,8 +379,11 @@ def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_
         else:
             opart_ref, lse_ref = refs[-2:]
             for c, acc in enumerate(accs):
-                plgpu.store(opart_ref.at[r, g, s, pl.ds(0, rows), pl.ds(c * block_d, block_d)],
-                            (acc * inv[:, None]).astype(opart_ref.dtype), mask=valid[:, None])
+                plgpu.store(
+                    opart_ref.at[r, g, s, pl.ds(0, rows), pl.ds(c * block_d, block_d)],
+                    (acc * inv[:, None]).astype(opart_ref.dtype),
+                    mask=valid[:, None],
+                )
             lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), NEG)
             plgpu.store(lse_ref.at[r, g, s, pl.ds(0, rows)], lse, mask=valid)
 
@@ -343,8 +399,21 @@ def _verify_kernel(layer_ref, qsl_ref, slots_ref, seq_lens_ref, q_ref, k_ref, v_
             _zero_padding(o_ref, qsl_ref, r, num_requests, g, rep, rows, cols, cm)
 
 
-def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests, t_max, rep, rows, d, combine_d,
-                    combine_rows, num_splits):
+def _combine_kernel(
+    qsl_ref,
+    slots_ref,
+    opart_ref,
+    lse_ref,
+    *refs,
+    num_requests,
+    t_max,
+    rep,
+    rows,
+    d,
+    combine_d,
+    combine_rows,
+    num_splits,
+):
     """Merge the splits of rows [i0, i0 + combine_rows) x columns [c0, c0 + combine_d) of one
     (request, kv head): every split's lse and o tile in one masked load ([splits, rows, cols]).
 
@@ -360,16 +429,19 @@ def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests,
     cols = c0 + jnp.arange(combine_d, dtype=jnp.int32)
     cmask = cols < d
     split = jnp.arange(next_pow2(num_splits), dtype=jnp.int32)
-    stored = (split < num_splits)[:, None] & in_win[None, :]                   # [splits, rows] in bounds
+    stored = (split < num_splits)[:, None] & in_win[None, :]  # [splits, rows] in bounds
     lse = plgpu.load(lse_ref.at[r, g, pl.ds(0, split.shape[0]), pl.ds(i0, combine_rows)], mask=stored, other=NEG)
-    o_s = plgpu.load(opart_ref.at[r, g, pl.ds(0, split.shape[0]), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
-                     mask=stored[:, :, None] & cmask[None, None, :], other=0).astype(F32)
+    o_s = plgpu.load(
+        opart_ref.at[r, g, pl.ds(0, split.shape[0]), pl.ds(i0, combine_rows), pl.ds(c0, combine_d)],
+        mask=stored[:, :, None] & cmask[None, None, :],
+        other=0,
+    ).astype(F32)
     start, length, slot = _request(qsl_ref, slots_ref, r)
     valid = in_win & (tok < length)
 
     @pl.when((slot > 0) & (length > 0) & (i0 < length * rep))
     def _():
-        w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])[:, :, None]        # [splits, rows, 1]; 0: empty split
+        w = jnp.exp2(lse - jnp.max(lse, axis=0)[None, :])[:, :, None]  # [splits, rows, 1]; 0: empty split
         o = jnp.sum(jnp.where(w > 0, w * o_s, 0), axis=0) / jnp.sum(w, axis=0)
         _write_rows(o_ref, o, start, tok, head, valid, cols, cmask)
 
@@ -386,9 +458,22 @@ def _combine_kernel(qsl_ref, slots_ref, opart_ref, lse_ref, *refs, num_requests,
 # Wrapper
 
 
-def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *,
-                     config: AttentionVerifyConfig | None = None, interpret: bool | None = None,
-                     o_buffer=None, layer: int | None = None, causal: bool = True, key_window: int = 0):
+def attention_verify(
+    q,
+    k_cache,
+    v_cache,
+    seq_lens,
+    query_start_loc,
+    slots,
+    t_max,
+    *,
+    config: AttentionVerifyConfig | None = None,
+    interpret: bool | None = None,
+    o_buffer=None,
+    layer: int | None = None,
+    causal: bool = True,
+    key_window: int = 0,
+):
     """Verify attention; same contract as jaxspec.ops.attention.attention_verify.
 
     q [N, Hq, D]; k_cache, v_cache [S1, M, KVH, D], or layer stacks [A, S1, M, KVH, D] with
@@ -402,10 +487,12 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     sliding context window; the window's own keys are always read).
     """
     if not supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer):
-        raise ValueError("attention_verify kernel: unsupported shapes/dtypes "
-                         f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, "
-                         f"v_cache {v_cache.shape} {v_cache.dtype}, seq_lens {seq_lens.shape}, "
-                         f"query_start_loc {query_start_loc.shape}, slots {slots.shape}, t_max {t_max!r}")
+        raise ValueError(
+            "attention_verify kernel: unsupported shapes/dtypes "
+            f"q {q.shape} {q.dtype}, k_cache {k_cache.shape} {k_cache.dtype}, "
+            f"v_cache {v_cache.shape} {v_cache.dtype}, seq_lens {seq_lens.shape}, "
+            f"query_start_loc {query_start_loc.shape}, slots {slots.shape}, t_max {t_max!r}"
+        )
     if not (isinstance(key_window, int) and key_window >= 0):
         raise ValueError(f"key_window={key_window!r}: must be an int >= 0 (0 = every key from position 0)")
     if interpret is None:
@@ -423,34 +510,67 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     ints = (query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), seq_lens.astype(jnp.int32))
     o_shape = jax.ShapeDtypeStruct((n, hq, d), q.dtype)
     extra = () if o_buffer is None else (o_buffer,)
-    kernel = functools.partial(_verify_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d, d_pad=d_pad,
-                               block_d=plan["block_d"], block_k=plan["block_k"], num_splits=num_splits,
-                               min_split=plan["min_split"], scale=d ** -0.5 * LOG2E, final=final,
-                               stacked=layer is not None,
-                               causal=causal, key_window=key_window)
+    kernel = functools.partial(
+        _verify_kernel,
+        num_requests=b,
+        t_max=t_max,
+        rep=rep,
+        rows=rows,
+        d=d,
+        d_pad=d_pad,
+        block_d=plan["block_d"],
+        block_k=plan["block_k"],
+        num_splits=num_splits,
+        min_split=plan["min_split"],
+        scale=d**-0.5 * LOG2E,
+        final=final,
+        stacked=layer is not None,
+        causal=causal,
+        key_window=key_window,
+    )
     main_params = plgpu.CompilerParams(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if final:
         return pl.pallas_call(
-            kernel, out_shape=o_shape, grid=(b, kvh, 1),
+            kernel,
+            out_shape=o_shape,
+            grid=(b, kvh, 1),
             input_output_aliases={} if o_buffer is None else {7: 0},
-            compiler_params=main_params, interpret=interpret, name="attention_verify",
+            compiler_params=main_params,
+            interpret=interpret,
+            name="attention_verify",
         )(layer_operand(layer), *ints, q, k_cache, v_cache, *extra)
 
     opart, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), plan["partial_dtype"]),
-                   jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32)),
-        grid=(b, kvh, num_splits), compiler_params=main_params, interpret=interpret,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d_pad), plan["partial_dtype"]),
+            jax.ShapeDtypeStruct((b, kvh, num_splits, rows), F32),
+        ),
+        grid=(b, kvh, num_splits),
+        compiler_params=main_params,
+        interpret=interpret,
         name="attention_verify_split",
     )(layer_operand(layer), *ints, q, k_cache, v_cache)
     combine_d = plan["combine_d"]
     combine_rows = combine_tile_rows(rows, num_splits, combine_d)
-    combine = functools.partial(_combine_kernel, num_requests=b, t_max=t_max, rep=rep, rows=rows, d=d,
-                                combine_d=combine_d, combine_rows=combine_rows, num_splits=num_splits)
+    combine = functools.partial(
+        _combine_kernel,
+        num_requests=b,
+        t_max=t_max,
+        rep=rep,
+        rows=rows,
+        d=d,
+        combine_d=combine_d,
+        combine_rows=combine_rows,
+        num_splits=num_splits,
+    )
     tiles = pl.cdiv(min(rows, t_max * rep), combine_rows) * pl.cdiv(d, combine_d)
     return pl.pallas_call(
-        combine, out_shape=o_shape, grid=(b, kvh, tiles),
+        combine,
+        out_shape=o_shape,
+        grid=(b, kvh, tiles),
         input_output_aliases={} if o_buffer is None else {4: 0},
         compiler_params=plgpu.CompilerParams(num_warps=plan["combine_warps"], num_stages=1),
-        interpret=interpret, name="attention_verify_combine",
+        interpret=interpret,
+        name="attention_verify_combine",
     )(*ints[:2], opart, lse, *extra)

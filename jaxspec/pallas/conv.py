@@ -25,6 +25,7 @@ x.dtype; the state is rounded to x.dtype first, as the reference does; the saved
 The Triton lowering does not mask blocks that overhang an array, so every access is an explicit
 masked load/store (channel tail, rows t >= len_r, taps w < W). Timings: bench/RESULTS.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,14 +36,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
 from jaxspec.pallas.tiles import is_layer_index, is_pow2, layer_operand, next_pow2
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-MAX_T = 64          # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
+MAX_T = 64  # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
 _MINUS_LOG2E = -1.4426950408889634
-MAX_WIDTH = 8       # largest conv width (taps); the models use 4
-_TARGET_PROGRAMS = 4 * NUM_SMS   # about four programs per SM before the channel block grows
+MAX_WIDTH = 8  # largest conv width (taps); the models use 4
+_TARGET_PROGRAMS = 4 * NUM_SMS  # about four programs per SM before the channel block grows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ConvVerifyConfig:
       issued before the stores of group g (two groups of rows live). T <= row_group: all rows of
       a request in flight at once.
     """
+
     block_c: int | None = None
     num_warps: int | None = None
     requests_per_program: int | None = None
@@ -77,9 +80,11 @@ class ConvVerifyConfig:
         if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"ConvVerifyConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
         if self.requests_per_program is not None and not (
-                isinstance(self.requests_per_program, int) and 1 <= self.requests_per_program <= 16):
-            raise ValueError(f"ConvVerifyConfig.requests_per_program={self.requests_per_program!r}: "
-                             "must be an integer in [1, 16]")
+            isinstance(self.requests_per_program, int) and 1 <= self.requests_per_program <= 16
+        ):
+            raise ValueError(
+                f"ConvVerifyConfig.requests_per_program={self.requests_per_program!r}: must be an integer in [1, 16]"
+            )
         if not (is_pow2(self.pad_rows) and self.pad_rows <= 64):
             raise ValueError(f"ConvVerifyConfig.pad_rows={self.pad_rows!r}: must be a power of two in [1, 64]")
         if not (isinstance(self.row_group, int) and 1 <= self.row_group <= 64):
@@ -109,8 +114,12 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
     `layer`, conv_state and conv_window are layer stacks and layer indexes both."""
     try:
         if layer is not None:
-            if not (conv_state.ndim == 4 and conv_window.ndim == 4 and conv_state.shape[0] == conv_window.shape[0]
-                    and is_layer_index(layer, conv_state.shape[0])):
+            if not (
+                conv_state.ndim == 4
+                and conv_window.ndim == 4
+                and conv_state.shape[0] == conv_window.shape[0]
+                and is_layer_index(layer, conv_state.shape[0])
+            ):
                 return False
             conv_state, conv_window = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (conv_state, conv_window))
         if x.ndim != 2 or conv_state.ndim != 3 or conv_window.ndim != 3 or weight.ndim != 2:
@@ -119,11 +128,14 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
         width = weight.shape[1]
         b = slots.shape[0] if slots.ndim == 1 else -1
         return (
-            n >= 1 and c >= 1 and b >= 1
+            n >= 1
+            and c >= 1
+            and b >= 1
             and 2 <= width <= MAX_WIDTH
             and weight.shape[0] == c
             and conv_state.shape[1:] == (width - 1, c)
-            and conv_window.shape[0] == conv_state.shape[0] and conv_window.shape[2] == c
+            and conv_window.shape[0] == conv_state.shape[0]
+            and conv_window.shape[2] == c
             and 1 <= conv_window.shape[1] <= MAX_T
             and query_start_loc.shape == (b + 1,)
             and jnp.dtype(x.dtype) in _DTYPES
@@ -137,10 +149,26 @@ def supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, sl
         return False
 
 
-def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_ref, window_in_ref, *refs,
-                        num_requests, t_max, width, block_c, pad_rows, row_group, rpp, stacked):
-    y_ref, window_ref = refs[-2:]   # refs[:-2]: an optional y buffer aliased to y_ref (tests)
-    del window_in_ref               # aliased to window_ref
+def _conv_verify_kernel(
+    layer_ref,
+    qsl_ref,
+    slots_ref,
+    x_ref,
+    state_ref,
+    weight_ref,
+    window_in_ref,
+    *refs,
+    num_requests,
+    t_max,
+    width,
+    block_c,
+    pad_rows,
+    row_group,
+    rpp,
+    stacked,
+):
+    y_ref, window_ref = refs[-2:]  # refs[:-2]: an optional y buffer aliased to y_ref (tests)
+    del window_in_ref  # aliased to window_ref
     f32 = jnp.float32
     p = pl.program_id(0)
     num_programs = pl.cdiv(num_requests, rpp)
@@ -149,7 +177,7 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
     cols = c0 + jnp.arange(block_c)
     cmask = cols < channels
     cs = pl.ds(c0, block_c)
-    at_layer = (layer_ref[0],) if stacked else ()   # the index prefix into layer stacks
+    at_layer = (layer_ref[0],) if stacked else ()  # the index prefix into layer stacks
 
     # --- this program's share of the padding rows (zeros), before any early exit.
     pad0 = jnp.minimum(qsl_ref[num_requests], n_rows)
@@ -164,7 +192,7 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
         plgpu.store(y_ref.at[pl.ds(row0, pad_rows), cs], zeros, mask=rmask[:, None] & cmask[None, :])
         return carry
 
-    lax.fori_loop(0, pl.cdiv(hi - lo, pad_rows), zero_rows, 0)   # hi < lo: no iteration
+    lax.fori_loop(0, pl.cdiv(hi - lo, pad_rows), zero_rows, 0)  # hi < lo: no iteration
 
     # Program order = issue order: every load of a group is issued before the first store,
     # because a load placed after a store that depends on an earlier load cannot issue before
@@ -181,16 +209,16 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
     def load_state(length, slot):
         # The W-1 raw inputs before x_0 (slot 0 or an empty request: nothing is read).
         live = cmask & (slot > 0) & (length > 0)
-        return [plgpu.load(state_ref.at[at_layer + (slot, jnp.int32(j), cs)], mask=live, other=0)
-                for j in range(width - 1)]
+        return [
+            plgpu.load(state_ref.at[at_layer + (slot, jnp.int32(j), cs)], mask=live, other=0) for j in range(width - 1)
+        ]
 
     def load_rows(start, length, slot, group):
         live = cmask & (slot > 0)
         return [plgpu.load(x_ref.at[start + t, cs], mask=live & (t < length), other=0) for t in group]
 
     def load_taps():
-        return [plgpu.load(weight_ref.at[cs, jnp.int32(i)], mask=cmask, other=0).astype(f32)
-                for i in range(width)]
+        return [plgpu.load(weight_ref.at[cs, jnp.int32(i)], mask=cmask, other=0).astype(f32) for i in range(width)]
 
     def compute_rows(start, length, slot, taps, group, xs, hist):
         """Outputs and saved rows of window positions `group`; hist: the W-1 previous rows (f32)."""
@@ -198,7 +226,7 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
         for t, xt in zip(group, xs):
             valid = t < length
             xf = xt.astype(f32)
-            acc = hist[0] * taps[0]        # same summation order as the reference
+            acc = hist[0] * taps[0]  # same summation order as the reference
             for i in range(1, width - 1):
                 acc = acc + hist[i] * taps[i]
             acc = acc + xf * taps[width - 1]
@@ -206,12 +234,13 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
             # element than the libdevice expf (the kernel must stay memory-bound).
             y = acc / (1.0 + jnp.exp2(acc * _MINUS_LOG2E))
             plgpu.store(y_ref.at[start + t, cs], y.astype(y_ref.dtype), mask=cmask & valid)
-            plgpu.store(window_ref.at[at_layer + (slot, jnp.int32(t), cs)], xt.astype(window_ref.dtype),
-                        mask=live & valid)
+            plgpu.store(
+                window_ref.at[at_layer + (slot, jnp.int32(t), cs)], xt.astype(window_ref.dtype), mask=live & valid
+            )
             hist = hist[1:] + [xf]
         return hist
 
-    def to_hist(state_rows):               # rounded to x.dtype first, as the reference does
+    def to_hist(state_rows):  # rounded to x.dtype first, as the reference does
         return [h.astype(x_ref.dtype).astype(f32) for h in state_rows]
 
     if rpp == 1:
@@ -223,17 +252,21 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
             hist = to_hist(load_state(length, slot))
             groups = [range(g0, min(g0 + row_group, t_max)) for g0 in range(0, t_max, row_group)]
             pending = load_rows(start, length, slot, groups[0])
-            taps = load_taps()             # after the first row loads, so their latencies overlap
+            taps = load_taps()  # after the first row loads, so their latencies overlap
             for gi, group in enumerate(groups):
                 xs = pending
-                if gi + 1 < len(groups):   # prefetch: the next group's loads go out before these stores
+                if gi + 1 < len(groups):  # prefetch: the next group's loads go out before these stores
                     pending = load_rows(start, length, slot, groups[gi + 1])
                 if gi == 0:
                     hist = compute_rows(start, length, slot, taps, group, xs, hist)
-                else:                      # groups past the request's length do no arithmetic
-                    hist = lax.cond(group[0] < length,
-                                    functools.partial(compute_rows, start, length, slot, taps, group),
-                                    lambda xs, hist: hist, xs, hist)
+                else:  # groups past the request's length do no arithmetic
+                    hist = lax.cond(
+                        group[0] < length,
+                        functools.partial(compute_rows, start, length, slot, taps, group),
+                        lambda xs, hist: hist,
+                        xs,
+                        hist,
+                    )
     else:
         # --- rpp consecutive requests per program, straight-line and software-pipelined: all their
         # (start, length, slot) scalars load at once; request k+1's state and rows are issued
@@ -256,9 +289,19 @@ def _conv_verify_kernel(layer_ref, qsl_ref, slots_ref, x_ref, state_ref, weight_
             compute_rows(start, length, slot, taps, window_rows, xs, to_hist(state_rows))
 
 
-def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
-                config: ConvVerifyConfig | None = None, interpret: bool | None = None,
-                y_buffer=None, layer=None):
+def conv_verify(
+    x,
+    conv_state,
+    conv_window,
+    weight,
+    query_start_loc,
+    slots,
+    *,
+    config: ConvVerifyConfig | None = None,
+    interpret: bool | None = None,
+    y_buffer=None,
+    layer=None,
+):
     """Packed causal conv verify; same contract as jaxspec.ops.conv.conv_verify.
 
     x [N, C], conv_state [S1, W-1, C], conv_window [S1, T, C] (aliased to the second output: donate
@@ -271,10 +314,12 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
     pass a NaN-filled one to prove it).
     """
     if not supports_conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer):
-        raise ValueError("conv_verify kernel: unsupported shapes/dtypes "
-                         f"x {x.shape} {x.dtype}, conv_state {conv_state.shape} {conv_state.dtype}, "
-                         f"conv_window {conv_window.shape} {conv_window.dtype}, weight {weight.shape}, "
-                         f"query_start_loc {query_start_loc.shape}, slots {slots.shape}")
+        raise ValueError(
+            "conv_verify kernel: unsupported shapes/dtypes "
+            f"x {x.shape} {x.dtype}, conv_state {conv_state.shape} {conv_state.dtype}, "
+            f"conv_window {conv_window.shape} {conv_window.dtype}, weight {weight.shape}, "
+            f"query_start_loc {query_start_loc.shape}, slots {slots.shape}"
+        )
     if interpret is None:
         interpret = default_interpret()
     config = config or ConvVerifyConfig()
@@ -289,17 +334,32 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *,
             raise ValueError(f"y_buffer: expected {(n, c)} {x.dtype}, got {y_buffer.shape} {y_buffer.dtype}")
         extra, aliases = (y_buffer,), {6: 1, 7: 0}
 
-    kernel = functools.partial(_conv_verify_kernel, num_requests=b, t_max=t_max, width=width,
-                               block_c=block_c, pad_rows=config.pad_rows,
-                               row_group=config.row_group, rpp=rpp, stacked=layer is not None)
+    kernel = functools.partial(
+        _conv_verify_kernel,
+        num_requests=b,
+        t_max=t_max,
+        width=width,
+        block_c=block_c,
+        pad_rows=config.pad_rows,
+        row_group=config.row_group,
+        rpp=rpp,
+        stacked=layer is not None,
+    )
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype),
-                   jax.ShapeDtypeStruct(conv_window.shape, conv_window.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype), jax.ShapeDtypeStruct(conv_window.shape, conv_window.dtype)),
         grid=(pl.cdiv(b, rpp), pl.cdiv(c, block_c)),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="conv_verify",
-    )(layer_operand(layer), query_start_loc.astype(jnp.int32), slots.astype(jnp.int32), x, conv_state, weight,
-      conv_window, *extra)
+    )(
+        layer_operand(layer),
+        query_start_loc.astype(jnp.int32),
+        slots.astype(jnp.int32),
+        x,
+        conv_state,
+        weight,
+        conv_window,
+        *extra,
+    )

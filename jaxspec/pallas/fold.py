@@ -30,6 +30,7 @@ next to it, and the [K x L] . [L x V] product is cheap):
   times, and with L == chunk (the usual ring of 16) there is no loop.
 Timings against the byte floor: bench/RESULTS.md.
 """
+
 import dataclasses
 import functools
 
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields, is_pow2
 
@@ -56,6 +58,7 @@ class FoldConfig:
     chunk: records per MMA step; 16 is the bf16 MMA's reduction depth.
     num_warps / num_stages: Triton launch parameters (stages only matter for rings longer than chunk).
     """
+
     block_v: int = 64
     heads: int = 1
     chunk: int = 16
@@ -107,8 +110,15 @@ def supports(ckpt, ring_k, ring_u, ring_g, num_records) -> bool:
         if h == 0 or hv % h:
             return False
         # Power-of-two blocks (Triton); >= 16 for the MMA; K <= 256 bounds the accumulator tile.
-        return (is_pow2(kd) and 16 <= kd <= 256 and is_pow2(vd) and vd >= 16
-                and is_pow2(ring_len) and 16 <= ring_len <= 4096 and all(d > 0 for d in lead + (s1,)))
+        return (
+            is_pow2(kd)
+            and 16 <= kd <= 256
+            and is_pow2(vd)
+            and vd >= 16
+            and is_pow2(ring_len)
+            and 16 <= ring_len <= 4096
+            and all(d > 0 for d in lead + (s1,))
+        )
     except (AttributeError, TypeError, ValueError):
         return False
 
@@ -144,17 +154,19 @@ def _fold_kernel(nr_ref, k_ref, *refs, n_u, chunk, ring_len, heads, nvb, r):
         rows = start + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
         live = rows[:, None]
         rec = pl.ds(start, chunk)
-        us = [plgpu.load(u_ref.at[t, rec, :], mask=jnp.broadcast_to(live < m, (chunk, u_ref.shape[-1])), other=0)
-              for u_ref in u_refs]
-        kh = (hv0 + t) // r                                          # key head of value head hv0 + t
+        us = [
+            plgpu.load(u_ref.at[t, rec, :], mask=jnp.broadcast_to(live < m, (chunk, u_ref.shape[-1])), other=0)
+            for u_ref in u_refs
+        ]
+        kh = (hv0 + t) // r  # key head of value head hv0 + t
         k = plgpu.load(k_ref.at[kh, rec, :], mask=jnp.broadcast_to(live < m, (chunk, k_ref.shape[-1])), other=0)
         return rows, us, k
 
     def issue(t):
-        t = jnp.int32(t)   # a static int index is not accepted by masked ref loads
+        t = jnp.int32(t)  # a static int index is not accepted by masked ref loads
         # The checkpoint tile is the bulk of the traffic, streamed once: evict it first from L2.
         h0 = plgpu.load(ckpt_ref.at[t], eviction_policy="evict_first")
-        g = plgpu.load(g_ref.at[t], mask=pos < m, other=0.0)         # live gates, 0 beyond m
+        g = plgpu.load(g_ref.at[t], mask=pos < m, other=0.0)  # live gates, 0 beyond m
         return h0, g, (load_records(t, 0) if ring_len == chunk else None)
 
     def finish(t, loaded):
@@ -168,15 +180,15 @@ def _fold_kernel(nr_ref, k_ref, *refs, n_u, chunk, ring_len, heads, nvb, r):
             rows, us, k = recs if recs is not None else load_records(t, start)
             # e^{G_m - G_j} = exp(sum_{j < i < m} g_i); g is already 0 for i >= m.
             after = lax.broadcasted_iota(jnp.int32, (chunk, ring_len), 1) > rows[:, None]
-            coef = jnp.exp(jnp.sum(jnp.where(after, g[None, :], 0.0), axis=1))          # [chunk]
+            coef = jnp.exp(jnp.sum(jnp.where(after, g[None, :], 0.0), axis=1))  # [chunk]
             u = us[0].astype(jnp.float32)
-            for part in us[1:]:                                      # (hi, lo) pair: u = hi + lo
+            for part in us[1:]:  # (hi, lo) pair: u = hi + lo
                 u = u + part.astype(jnp.float32)
             ws = _split3(coef[:, None] * u)
-            ks = [k] if k.dtype == jnp.bfloat16 else _split3(k.astype(jnp.float32))   # bf16 keys: exact
+            ks = [k] if k.dtype == jnp.bfloat16 else _split3(k.astype(jnp.float32))  # bf16 keys: exact
             for a, k_part in enumerate(ks):
                 for b, w_part in enumerate(ws):
-                    if a + b <= 2:                     # terms of order 2^-24 and below are dropped
+                    if a + b <= 2:  # terms of order 2^-24 and below are dropped
                         acc = acc + _tdot(k_part, w_part)
             return acc
 
@@ -201,8 +213,9 @@ def _fold_kernel(nr_ref, k_ref, *refs, n_u, chunk, ring_len, heads, nvb, r):
     pl.when(m > 0)(fold_tiles)
 
 
-def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, config: FoldConfig | None = None,
-             interpret: bool | None = None):
+def gdn_fold(
+    ckpt, ring_k, ring_u, ring_g, num_records, *, config: FoldConfig | None = None, interpret: bool | None = None
+):
     """Pallas fold; arguments and result as `jaxspec.ops.gdn.gdn_fold` (ckpt is aliased in place)."""
     if not supports(ckpt, ring_k, ring_u, ring_g, num_records):
         raise ValueError("pallas gdn_fold: shapes/dtypes not supported (see fold.supports)")
@@ -223,16 +236,20 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, config: FoldConfig | 
     while hv % heads:
         heads //= 2
     nvb = vd // block_v
-    tile = lambda i, s, l: (l, s, i // nvb, 0, i % nvb)                 # (heads, K or L, block_v) blocks
+    tile = lambda i, s, l: (l, s, i // nvb, 0, i % nvb)  # (heads, K or L, block_v) blocks
 
-    kernel = functools.partial(_fold_kernel, n_u=len(parts), chunk=chunk, ring_len=ring_len, heads=heads,
-                               nvb=nvb, r=r)
+    kernel = functools.partial(_fold_kernel, n_u=len(parts), chunk=chunk, ring_len=ring_len, heads=heads, nvb=nvb, r=r)
     in_specs = (
-        [pl.BlockSpec((1,), lambda i, s, l: (s,)),                                          # num_records
-         pl.BlockSpec((None, None, h, ring_len, kd), lambda i, s, l: (l, s, 0, 0, 0))]      # all key heads
+        [
+            pl.BlockSpec((1,), lambda i, s, l: (s,)),  # num_records
+            pl.BlockSpec((None, None, h, ring_len, kd), lambda i, s, l: (l, s, 0, 0, 0)),
+        ]  # all key heads
         + [pl.BlockSpec((None, None, heads, ring_len, block_v), tile) for _ in parts]
-        + [pl.BlockSpec((None, None, heads, ring_len), lambda i, s, l: (l, s, i // nvb, 0)),
-           pl.BlockSpec((None, None, heads, kd, block_v), tile)])
+        + [
+            pl.BlockSpec((None, None, heads, ring_len), lambda i, s, l: (l, s, i // nvb, 0)),
+            pl.BlockSpec((None, None, heads, kd, block_v), tile),
+        ]
+    )
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(ckpt.shape, ckpt.dtype),

@@ -29,6 +29,7 @@ float64 recurrence. Every load past lengths[b] or T is masked (NaN there is neve
 token has beta = g = 0, k = 0 and no part in A, R, W or the state; the intermediates are padded to
 ceil(T / C) * C rows so no block overhangs an array. Timings (vs fla and XLA): bench/RESULTS.md.
 """
+
 import dataclasses
 import functools
 
@@ -37,12 +38,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields, is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-W_COLS = 64         # columns of W per product in the prep kernel (register budget)
-SUB = 16            # sub-block of the prep kernel: the tensor-core dot's minimum tile
+W_COLS = 64  # columns of W per product in the prep kernel (register budget)
+SUB = 16  # sub-block of the prep kernel: the tensor-core dot's minimum tile
 _IN_DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
 
 
@@ -63,6 +65,7 @@ class ChunkConfig:
       just within an H200 SM's shared memory with bf16 inputs, beyond it with float32 ones).
     prep_warps: warps of the prep kernel (4 = one warpgroup: its [C, C] products run as wgmma).
     """
+
     chunk: int = 32
     block_v: int = 64
     num_warps: int = 4
@@ -83,17 +86,28 @@ def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:
         b, t, h, kd = q.shape
         hv, vd = v.shape[2], v.shape[3]
         cfg = config or ChunkConfig()
-        ok = (k.shape == q.shape and v.shape[:2] == (b, t) and g.shape == (b, t, hv)
-              and beta.shape == (b, t, hv) and h0.shape == (b, hv, kd, vd)
-              and b >= 1 and t >= 1 and h >= 1 and hv % h == 0
-              # power-of-two register tiles (Triton); >= 16 for the tensor-core dots; K <= 128
-              # bounds the state kernel's shared memory (q, k, W rows of a chunk) and registers
-              and is_pow2(kd) and 16 <= kd <= 128 and is_pow2(vd) and 16 <= vd <= 1024
-              and vd % min(cfg.block_v, vd) == 0
-              # the Triton lowering addresses with int32 offsets: every array (the padded
-              # intermediates included) below 2^31 elements
-              and b * pl.cdiv(t, cfg.chunk) * cfg.chunk * hv * max(kd, vd, cfg.chunk) < 2 ** 31
-              and all(jnp.dtype(x.dtype) in _IN_DTYPES for x in (q, k, v, g, beta, h0)))
+        ok = (
+            k.shape == q.shape
+            and v.shape[:2] == (b, t)
+            and g.shape == (b, t, hv)
+            and beta.shape == (b, t, hv)
+            and h0.shape == (b, hv, kd, vd)
+            and b >= 1
+            and t >= 1
+            and h >= 1
+            and hv % h == 0
+            # power-of-two register tiles (Triton); >= 16 for the tensor-core dots; K <= 128
+            # bounds the state kernel's shared memory (q, k, W rows of a chunk) and registers
+            and is_pow2(kd)
+            and 16 <= kd <= 128
+            and is_pow2(vd)
+            and 16 <= vd <= 1024
+            and vd % min(cfg.block_v, vd) == 0
+            # the Triton lowering addresses with int32 offsets: every array (the padded
+            # intermediates included) below 2^31 elements
+            and b * pl.cdiv(t, cfg.chunk) * cfg.chunk * hv * max(kd, vd, cfg.chunk) < 2**31
+            and all(jnp.dtype(x.dtype) in _IN_DTYPES for x in (q, k, v, g, beta, h0))
+        )
         if lengths is not None:
             ok = ok and lengths.shape == (b,) and jnp.issubdtype(lengths.dtype, jnp.integer)
         return bool(ok)
@@ -135,8 +149,8 @@ def _diag_block_inverses(load_row, nb):
     ii, jj = i[None, :, None], i[None, None, :]
     inv = jnp.broadcast_to(jnp.where(ii == jj, 1.0, 0.0), (nb, SUB, SUB)).astype(F32)
     for s in range(1, SUB):
-        a_s = load_row(s)                                                              # [nb, 16] over j
-        contrib = jnp.sum(a_s[:, :, None] * inv, axis=1)                               # [nb, 16] over c
+        a_s = load_row(s)  # [nb, 16] over j
+        contrib = jnp.sum(a_s[:, :, None] * inv, axis=1)  # [nb, 16] over c
         inv = jnp.where(ii == s, jnp.where(jj == s, 1.0, -contrib[:, None, :]), inv)
     return inv
 
@@ -153,7 +167,7 @@ def _block_merge(x, a_off, nb):
     while 2 ** len(powers) < nb:
         powers.append(_mm(powers[-1], powers[-1]))
     y = x
-    for pw in powers[:0:-1]:                                # (I + N^{2^k}) for k >= 1, then (I - N)
+    for pw in powers[:0:-1]:  # (I + N^{2^k}) for k >= 1, then (I - N)
         y = y + _mm(pw, y)
     return y - _mm(n, y)
 
@@ -162,8 +176,23 @@ def _block_merge(x, a_off, nb):
 # Kernel 1: per-chunk matrices (parallel over chunks)
 
 
-def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_hi_ref, r_lo_ref, gc_ref,
-                 scr_ref, *, chunk, ratio, barrier):
+def _prep_kernel(
+    len_ref,
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    w_hi_ref,
+    w_lo_ref,
+    r_hi_ref,
+    r_lo_ref,
+    gc_ref,
+    scr_ref,
+    *,
+    chunk,
+    ratio,
+    barrier,
+):
     hv, c, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = hv // ratio
     n = len_ref[b]
@@ -181,17 +210,17 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
         at = pl.ds(t0, chunk)
         valid = t0 + t < n
 
-        def load_keys(ref, cols=slice(None), width=kd):   # key head kh's rows (0 past the length), bf16 parts
+        def load_keys(ref, cols=slice(None), width=kd):  # key head kh's rows (0 past the length), bf16 parts
             mask = jnp.broadcast_to(valid[:, None], (chunk, width))
             return _parts(plgpu.load(ref.at[b, at, kh, cols], mask=mask, other=0))
 
         g = plgpu.load(g_ref.at[b, at, hv], mask=valid, other=0.0).astype(F32)
         beta = plgpu.load(beta_ref.at[b, at, hv], mask=valid, other=0.0).astype(F32)
-        G = jnp.cumsum(g)                                                                  # inclusive
+        G = jnp.cumsum(g)  # inclusive
         gc_ref[b, hv, at] = G
-        decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))                # masked before exp
+        decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))  # masked before exp
         kp = load_keys(k_ref)
-        a = jnp.where(strict, beta[:, None] * _mm(kp, kp, trans_b=True) * decay, 0.0)      # A [C, C]
+        a = jnp.where(strict, beta[:, None] * _mm(kp, kp, trans_b=True) * decay, 0.0)  # A [C, C]
 
         # Diagonal blocks of T = (I + A)^{-1} by forward substitution, which reads rows of A's
         # diagonal blocks: they make a round trip through a compact scratch [C, 16] (row i holds
@@ -200,24 +229,25 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
         # Barriers order the round trips between the program's threads.
         blk = jnp.arange(nb, dtype=jnp.int32)[:, None]
         sub = jnp.arange(SUB, dtype=jnp.int32)[None, :]
-        blk_rows = t0 + SUB * blk                                                          # [nb, 1]
+        blk_rows = t0 + SUB * blk  # [nb, 1]
         i3 = jnp.arange(SUB, dtype=jnp.int32)
-        at3 = (b, hv, blk_rows[:, :, None] + i3[None, :, None], i3[None, None, :])           # [nb, 16, 16]
+        at3 = (b, hv, blk_rows[:, :, None] + i3[None, :, None], i3[None, None, :])  # [nb, 16, 16]
         b4 = jnp.arange(nb, dtype=jnp.int32)
-        diag4 = b4[:, None, None, None] == b4[None, None, :, None]                         # [nb, 1, nb, 1]
+        diag4 = b4[:, None, None, None] == b4[None, None, :, None]  # [nb, 1, nb, 1]
         plgpu.store(scr_ref.at[at3], jnp.sum(jnp.where(diag4, a.reshape(nb, SUB, nb, SUB), 0.0), axis=2))
         sync()
 
-        def load_row(s):   # row s of every diagonal block of A, columns < s
-            return plgpu.load(scr_ref.at[b, hv, blk_rows + s, sub], mask=jnp.broadcast_to(sub < s, (nb, SUB)),
-                              other=0.0)
+        def load_row(s):  # row s of every diagonal block of A, columns < s
+            return plgpu.load(
+                scr_ref.at[b, hv, blk_rows + s, sub], mask=jnp.broadcast_to(sub < s, (nb, SUB)), other=0.0
+            )
 
-        inv = _diag_block_inverses(load_row, nb)                                           # [nb, 16, 16]
-        sync()                                                   # every row read before the overwrite
+        inv = _diag_block_inverses(load_row, nb)  # [nb, 16, 16]
+        sync()  # every row read before the overwrite
         plgpu.store(scr_ref.at[at3], inv)
         sync()
-        x = plgpu.load(scr_ref.at[b, hv, t0 + row, col % SUB], mask=same_blk, other=0.0)    # blockdiag [C, C]
-        tp = _block_merge(x, jnp.where(same_blk, 0.0, a), nb) * beta[None, :]              # T' = T diag(beta)
+        x = plgpu.load(scr_ref.at[b, hv, t0 + row, col % SUB], mask=same_blk, other=0.0)  # blockdiag [C, C]
+        tp = _block_merge(x, jnp.where(same_blk, 0.0, a), nb) * beta[None, :]  # T' = T diag(beta)
 
         # R = P T' with P = incl_lower(Q K^T * decay);  W = T'^T diag(e^{G_C - G}) K.
         r = _mm(jnp.where(incl, _mm(load_keys(q_ref), kp, trans_b=True) * decay, 0.0), tp)
@@ -226,9 +256,9 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
         r_lo_ref[b, hv, at, :] = r_lo
         dtp = _parts(jnp.exp(jnp.sum(g) - G)[:, None] * tp)
         wk = min(kd, W_COLS)
-        for c0 in range(0, kd, wk):       # W by column blocks: a [C, K] float32 tile costs 64 registers
+        for c0 in range(0, kd, wk):  # W by column blocks: a [C, K] float32 tile costs 64 registers
             cols = pl.ds(c0, wk)
-            w_hi, w_lo = split_bf16(_mm(dtp, load_keys(k_ref, cols, wk), trans_a=True))        # [C, wk]
+            w_hi, w_lo = split_bf16(_mm(dtp, load_keys(k_ref, cols, wk), trans_a=True))  # [C, wk]
             w_hi_ref[b, hv, at, cols] = w_hi
             w_lo_ref[b, hv, at, cols] = w_lo
 
@@ -237,8 +267,25 @@ def _prep_kernel(len_ref, q_ref, k_ref, g_ref, beta_ref, w_hi_ref, w_lo_ref, r_h
 # Kernel 2: the state recurrence over chunks, and the outputs
 
 
-def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi_ref, r_lo_ref, gc_ref,
-                  o_ref, h_ref, *, chunk, ratio, block_v, n_chunks):
+def _state_kernel(
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    h0_ref,
+    w_hi_ref,
+    w_lo_ref,
+    r_hi_ref,
+    r_lo_ref,
+    gc_ref,
+    o_ref,
+    h_ref,
+    *,
+    chunk,
+    ratio,
+    block_v,
+    n_chunks,
+):
     vb, hv, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = hv // ratio
     n = len_ref[b]
@@ -247,7 +294,7 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
     vcols = pl.ds(vb * block_v, block_v)
     t = jnp.arange(chunk, dtype=jnp.int32)
 
-    h = h0_ref[b, hv, :, vcols].astype(F32)                                               # [K, BV]
+    h = h0_ref[b, hv, :, vcols].astype(F32)  # [K, BV]
 
     def step(c, h):
         t0 = pl.multiple_of(c * chunk, chunk)
@@ -259,19 +306,22 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
         q = plgpu.load(q_ref.at[b, at, kh, :], mask=mk, other=0)
         k = plgpu.load(k_ref.at[b, at, kh, :], mask=mk, other=0)
         v = plgpu.load(v_ref.at[b, at, hv, vcols], mask=mv, other=0).astype(F32)
-        G = gc_ref[b, hv, at]                                                             # [C]
-        g_c = gc_ref[b, hv, t0 + chunk - 1]          # G is constant past the length: the chunk total
-        w = (w_hi_ref[b, hv, at, :], w_lo_ref[b, hv, at, :])                              # [C, K] pair
-        r_mat = (r_hi_ref[b, hv, at, :], r_lo_ref[b, hv, at, :])                          # [C, C] pair
+        G = gc_ref[b, hv, at]  # [C]
+        g_c = gc_ref[b, hv, t0 + chunk - 1]  # G is constant past the length: the chunk total
+        w = (w_hi_ref[b, hv, at, :], w_lo_ref[b, hv, at, :])  # [C, K] pair
+        r_mat = (r_hi_ref[b, hv, at, :], r_lo_ref[b, hv, at, :])  # [C, C] pair
 
         hp = split_bf16(h)
         e_g = jnp.exp(G)[:, None]
-        rhs = v - e_g * _mm(k, hp)                                                         # [C, BV]
+        rhs = v - e_g * _mm(k, hp)  # [C, BV]
         rp = split_bf16(rhs)
         o = e_g * _mm(q, hp) + _mm(r_mat, rp)
         # Rows past the length are 0 by selection; rows past T are not stored (masked).
-        plgpu.store(o_ref.at[b, at, hv, vcols], jnp.where(mv, o, 0.0),
-                    mask=jnp.broadcast_to((rows < t_len)[:, None], (chunk, block_v)))
+        plgpu.store(
+            o_ref.at[b, at, hv, vcols],
+            jnp.where(mv, o, 0.0),
+            mask=jnp.broadcast_to((rows < t_len)[:, None], (chunk, block_v)),
+        )
         return jnp.exp(g_c) * h + _mm(w, rp, trans_a=True)
 
     n_live = (n + chunk - 1) // chunk
@@ -282,8 +332,11 @@ def _state_kernel(len_ref, q_ref, k_ref, v_ref, h0_ref, w_hi_ref, w_lo_ref, r_hi
 
     def zero_step(c, carry):
         rows = c * chunk + t
-        plgpu.store(o_ref.at[b, pl.ds(c * chunk, chunk), hv, vcols], zeros,
-                    mask=jnp.broadcast_to((rows < t_len)[:, None], (chunk, block_v)))
+        plgpu.store(
+            o_ref.at[b, pl.ds(c * chunk, chunk), hv, vcols],
+            zeros,
+            mask=jnp.broadcast_to((rows < t_len)[:, None], (chunk, block_v)),
+        )
         return carry
 
     lax.fori_loop(n_live, n_chunks, zero_step, 0)
@@ -301,8 +354,9 @@ def _setup(q, v, lengths, config, interpret):
     return cfg, interpret, jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, t)
 
 
-def chunk_matrices(q, k, g, beta, lengths, *, num_value_heads, config: ChunkConfig | None = None,
-                   interpret: bool | None = None):
+def chunk_matrices(
+    q, k, g, beta, lengths, *, num_value_heads, config: ChunkConfig | None = None, interpret: bool | None = None
+):
     """The prep kernel alone (exposed for benchmarks): -> (W hi, W lo [B, HV, Tp, K] bf16,
     R hi, R lo [B, HV, Tp, C] bf16, G [B, HV, Tp] f32), Tp = T rounded up to the chunk; rows of
     chunks that start at or past a request's length are not written."""
@@ -313,12 +367,12 @@ def chunk_matrices(q, k, g, beta, lengths, *, num_value_heads, config: ChunkConf
     n_chunks = pl.cdiv(t, chunk)
     tp = n_chunks * chunk
     out_shape = (
-        jax.ShapeDtypeStruct((b, hv, tp, kd), BF16),          # W hi
-        jax.ShapeDtypeStruct((b, hv, tp, kd), BF16),          # W lo
-        jax.ShapeDtypeStruct((b, hv, tp, chunk), BF16),       # R hi
-        jax.ShapeDtypeStruct((b, hv, tp, chunk), BF16),       # R lo
-        jax.ShapeDtypeStruct((b, hv, tp), F32),               # G
-        jax.ShapeDtypeStruct((b, hv, tp, SUB), F32),          # scratch: diagonal blocks of A, then of T
+        jax.ShapeDtypeStruct((b, hv, tp, kd), BF16),  # W hi
+        jax.ShapeDtypeStruct((b, hv, tp, kd), BF16),  # W lo
+        jax.ShapeDtypeStruct((b, hv, tp, chunk), BF16),  # R hi
+        jax.ShapeDtypeStruct((b, hv, tp, chunk), BF16),  # R lo
+        jax.ShapeDtypeStruct((b, hv, tp), F32),  # G
+        jax.ShapeDtypeStruct((b, hv, tp, SUB), F32),  # scratch: diagonal blocks of A, then of T
     )
     out = pl.pallas_call(
         functools.partial(_prep_kernel, chunk=chunk, ratio=hv // q.shape[2], barrier=not interpret),
@@ -331,8 +385,9 @@ def chunk_matrices(q, k, g, beta, lengths, *, num_value_heads, config: ChunkConf
     return out[:5]
 
 
-def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, config: ChunkConfig | None = None,
-                interpret: bool | None = None):
+def gdn_chunked(
+    q, k, v, g, beta, h0, lengths=None, *, config: ChunkConfig | None = None, interpret: bool | None = None
+):
     """Kernel version of `jaxspec.ops.gdn.gdn_chunked` (same arguments and results; the chunk
     size is the config's, not a semantic parameter)."""
     if not supports(q, k, v, g, beta, h0, lengths, config):
@@ -343,8 +398,9 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, config: ChunkConfig | Non
     block_v = min(cfg.block_v, vd)
     inter = chunk_matrices(q, k, g, beta, lengths, num_value_heads=hv, config=cfg, interpret=interpret)
     return pl.pallas_call(
-        functools.partial(_state_kernel, chunk=cfg.chunk, ratio=hv // h, block_v=block_v,
-                          n_chunks=pl.cdiv(t, cfg.chunk)),
+        functools.partial(
+            _state_kernel, chunk=cfg.chunk, ratio=hv // h, block_v=block_v, n_chunks=pl.cdiv(t, cfg.chunk)
+        ),
         grid=(vd // block_v, hv, b),
         out_shape=(jax.ShapeDtypeStruct((b, t, hv, vd), F32), jax.ShapeDtypeStruct((b, hv, kd, vd), F32)),
         interpret=interpret,

@@ -34,6 +34,7 @@ Assumed (the packed layout guarantees it): query_start_loc[0] == 0, non-decreasi
 <= t_max, query_start_loc[B] <= N; real requests have distinct slots. Slot-0 requests write zero
 rows of `o` and nothing else. Timings: bench/RESULTS.md.
 """
+
 import dataclasses
 import functools
 
@@ -41,13 +42,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxspec.pallas.gdn_window_math import (dot_f32, finite_or_zero, load_window_rows, request_window,
-                                            unit_lower_inverse, zero_padding_rows)
+
+from jaxspec.pallas.gdn_window_math import (
+    dot_f32,
+    finite_or_zero,
+    load_window_rows,
+    request_window,
+    unit_lower_inverse,
+    zero_padding_rows,
+)
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
 from jaxspec.pallas.tiles import is_layer_index, is_pow2, layer_operand, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-MAX_T = 32          # window tile <= 32: the forward substitution is unrolled and lives in registers
+MAX_T = 32  # window tile <= 32: the forward substitution is unrolled and lives in registers
 # Coefficient programs the GPU runs at once: 16 one-warp programs per SM (register-bound). Up to
 # this many, one value head per program (a program's latency is the kernel's cost); beyond, the r
 # value heads of a key head share its Gram products.
@@ -67,6 +75,7 @@ class VerifyConfig:
       substitution's reductions inside the warp, with no shared-memory barrier).
     pad_rows: rows per step of the padding programs' zero-fill loop.
     """
+
     block_v: int = 128
     block_k: int = 32
     num_warps: int = 4
@@ -102,8 +111,9 @@ def _parts(ring_u):
     return tuple(ring_u) if isinstance(ring_u, (tuple, list)) else (ring_u,)
 
 
-def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-             config=None, layer=None) -> bool:
+def supports(
+    q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max, config=None, layer=None
+) -> bool:
     """Shapes and dtypes this kernel covers (the GPU check is dispatch's job). With `layer`, the
     checkpoint and rings are stacks over layers: their per-layer shapes are checked."""
     try:
@@ -121,16 +131,27 @@ def supports(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_st
         parts = _parts(ring_u)
         cfg = config or default_config(ckpt.dtype, vd)
         ok = (
-            k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv)
-            and ckpt.shape == (s1, hv, kd, vd) and ring_k.shape == (s1, h, ring_len, kd)
+            k.shape == q.shape
+            and g.shape == (n, hv)
+            and beta.shape == (n, hv)
+            and ckpt.shape == (s1, hv, kd, vd)
+            and ring_k.shape == (s1, h, ring_len, kd)
             and ring_g.shape == (s1, hv, ring_len)
             and all(p.shape == (s1, hv, ring_len, vd) for p in parts)
-            and write_pos.shape == (s1,) and slots.ndim == 1
+            and write_pos.shape == (s1,)
+            and slots.ndim == 1
             and query_start_loc.shape == (slots.shape[0] + 1,)
-            and hv % h == 0 and is_pow2(kd) and kd >= 16 and is_pow2(vd) and vd >= 16
-            and is_pow2(ring_len) and ring_len >= 16
-            and isinstance(t_max, int) and 1 <= t_max <= MAX_T
-            and vd % min(cfg.block_v, vd) == 0 and kd % min(cfg.block_k, kd) == 0
+            and hv % h == 0
+            and is_pow2(kd)
+            and kd >= 16
+            and is_pow2(vd)
+            and vd >= 16
+            and is_pow2(ring_len)
+            and ring_len >= 16
+            and isinstance(t_max, int)
+            and 1 <= t_max <= MAX_T
+            and vd % min(cfg.block_v, vd) == 0
+            and kd % min(cfg.block_k, kd) == 0
             and jnp.dtype(ckpt.dtype) in (jnp.dtype(F32), jnp.dtype(BF16))
             and jnp.dtype(ring_k.dtype) in (jnp.dtype(F32), jnp.dtype(BF16))
             and jnp.dtype(ring_g.dtype) == jnp.dtype(F32)
@@ -181,13 +202,35 @@ def _key_query_columns(x, ts, tt):
     return jnp.where(col < ts, x, 0.0), jnp.where(col < ts, dot_f32(x, _shift(tt, ts), trans_b=True), 0.0)
 
 
-def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, beta_ref, rk_in, rg_in,
-                  m_ref, mh_ref, rk_out, rg_out, *, t_max, tt, ts, ratio, heads_per_program, block_k, stacked):
+def _coeff_kernel(
+    layer_ref,
+    qsl_ref,
+    slots_ref,
+    wpos_ref,
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    rk_in,
+    rg_in,
+    m_ref,
+    mh_ref,
+    rk_out,
+    rg_out,
+    *,
+    t_max,
+    tt,
+    ts,
+    ratio,
+    heads_per_program,
+    block_k,
+    stacked,
+):
     n_tok, _, kd = q_ref.shape
     ring_len = rg_in.shape[-1]
     lay = (layer_ref[0],) if stacked else ()
     prog, b = pl.program_id(0), pl.program_id(1)
-    hv0 = prog * heads_per_program                     # this program's value heads: hv0 ..
+    hv0 = prog * heads_per_program  # this program's value heads: hv0 ..
     kh = hv0 // ratio
     t = jnp.arange(tt, dtype=jnp.int32)
     _, start, n, slot, rows, valid = request_window(qsl_ref, slots_ref, b, slots_ref.shape[0], t_max, t, n_tok)
@@ -197,10 +240,11 @@ def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, 
         m = jnp.clip(wpos_ref[slot], 0, ring_len)
         pos = m + t
         rec = valid & (pos < ring_len)
+
         # Key-head part, once for the r value heads: the Gram matrix of X = [k_0..k_ts; q_0..q_ts]
         # (2 ts rows: no padding rows for T <= 8) and the history keys' dots with X.
         def load_x(cols):
-            return load_window_rows(k_ref, q_ref, start, n, kh, ts, cols).astype(F32)     # [2ts, BK]
+            return load_window_rows(k_ref, q_ref, start, n, kh, ts, cols).astype(F32)  # [2ts, BK]
 
         def chunk(i):
             return i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
@@ -210,40 +254,42 @@ def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, 
             return s_acc + dot_f32(x, x, trans_b=True)
 
         s_win = jax.lax.fori_loop(0, kd // block_k, gram_step, jnp.zeros((2 * ts, 2 * ts), F32))
-        kk, qk = _window_blocks(s_win, ts, tt)                                          # [T, T]
+        kk, qk = _window_blocks(s_win, ts, tt)  # [T, T]
 
         jh = jnp.arange(ring_len, dtype=jnp.int32)
         live = jh < m
 
-        def history_gram():                              # [L, 2ts]: k_hist_j . x
+        def history_gram():  # [L, 2ts]: k_hist_j . x
             def step(i, acc):
-                xh = plgpu.load(rk_in.at[(*lay, slot, kh, jnp.where(live, jh, 0)[:, None], chunk(i))],
-                                mask=live[:, None], other=0.0)
+                xh = plgpu.load(
+                    rk_in.at[(*lay, slot, kh, jnp.where(live, jh, 0)[:, None], chunk(i))], mask=live[:, None], other=0.0
+                )
                 return acc + dot_f32(xh.astype(F32), load_x(chunk(i)), trans_b=True)
+
             return jax.lax.fori_loop(0, kd // block_k, step, jnp.zeros((ring_len, 2 * ts), F32))
 
         s_hist = jax.lax.cond(m > 0, history_gram, lambda: jnp.zeros((ring_len, 2 * ts), F32))
-        hk_t, hq_t = _key_query_columns(finite_or_zero(s_hist), ts, tt)                 # [L, T]
+        hk_t, hq_t = _key_query_columns(finite_or_zero(s_hist), ts, tt)  # [L, T]
         row, col = t[:, None], t[None, :]
         incl, strict = col <= row, col < row
         zero = jnp.zeros((tt, tt), F32)
         ti = jnp.arange(ts, dtype=jnp.int32)
-        top = (lambda x: jnp.split(x, tt // ts, axis=0)[0]) if ts < tt else (lambda x: x)   # rows < ts
+        top = (lambda x: jnp.split(x, tt // ts, axis=0)[0]) if ts < tt else (lambda x: x)  # rows < ts
 
         def head(j, carry):
             hv = hv0 + j
             g = plgpu.load(g_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
             beta = plgpu.load(beta_ref.at[rows, hv], mask=valid, other=0.0).astype(F32)
-            G = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)                      # inclusive cumsum
-            decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))         # masked before exp
+            G = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)  # inclusive cumsum
+            decay = jnp.exp(jnp.where(incl, G[:, None] - G[None, :], -jnp.inf))  # masked before exp
             a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
             p = jnp.where(incl, qk * decay, 0.0)
             t_inv = unit_lower_inverse(a.T, t, t_max)
             eG = jnp.exp(G)
-            d = jnp.where(incl, t_inv * beta[None, :], 0.0)                             # D = Tinv diag(beta)
-            de = jnp.where(incl, d * eG[None, :], 0.0)                                  # D E
+            d = jnp.where(incl, t_inv * beta[None, :], 0.0)  # D = Tinv diag(beta)
+            de = jnp.where(incl, d * eG[None, :], 0.0)  # D E
             pd = dot_f32(p, finite_or_zero(d))
-            pde = jnp.where(incl, pd * eG[None, :], 0.0)                                # P D E
+            pde = jnp.where(incl, pd * eG[None, :], 0.0)  # P D E
 
             # History: e^{G_m} scales the checkpoint columns; c_j = e^{G_m - G_j} = e^{sum_{j<l<m} g_l}.
             hg = plgpu.load(rg_in.at[(*lay, slot, hv, jnp.where(live, jh, 0))], mask=live, other=0.0).astype(F32)
@@ -252,18 +298,27 @@ def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, 
             # M [2ts, 4ts]: rows U then O (ts each), columns Z_k, Z_q, V, 0 (ts each). The first ts
             # rows of each [tt, tt] block go to their place through a store masked to columns < ts.
             diag_e = jnp.where(row == col, e_gm * eG[None, :], 0.0)
-            blocks = ((0, 0, -e_gm * de), (0, 1, zero), (0, 2, d), (0, 3, zero),
-                      (1, 0, -e_gm * pde), (1, 1, diag_e), (1, 2, pd), (1, 3, zero))
+            blocks = (
+                (0, 0, -e_gm * de),
+                (0, 1, zero),
+                (0, 2, d),
+                (0, 3, zero),
+                (1, 0, -e_gm * pde),
+                (1, 1, diag_e),
+                (1, 2, pd),
+                (1, 3, zero),
+            )
             for bi, bj, blk in blocks:
-                plgpu.store(m_ref.at[b, hv, (bi * ts + ti)[:, None], (bj * ts + t)[None, :]], top(blk),
-                            mask=(t < ts)[None, :])
+                plgpu.store(
+                    m_ref.at[b, hv, (bi * ts + ti)[:, None], (bj * ts + t)[None, :]], top(blk), mask=(t < ts)[None, :]
+                )
 
             @pl.when(m > 0)
-            def _history():                               # M_h [2ts, L] with Hc = X K_hist^T diag(c)
+            def _history():  # M_h [2ts, L] with Hc = X K_hist^T diag(c)
                 suffix = jnp.sum(jnp.where(jh[None, :] > jh[:, None], hg[None, :], 0.0), axis=1)
                 c = jnp.where(live, jnp.exp(suffix), 0.0)[:, None]
-                hck_t, hcq_t = c * hk_t, c * hq_t                                      # Hc^T [L, T]
-                mh_u = -dot_f32(finite_or_zero(de), hck_t, trans_b=True)               # [T, L]
+                hck_t, hcq_t = c * hk_t, c * hq_t  # Hc^T [L, T]
+                mh_u = -dot_f32(finite_or_zero(de), hck_t, trans_b=True)  # [T, L]
                 mh_o = eG[:, None] * hcq_t.T - dot_f32(finite_or_zero(pde), hck_t, trans_b=True)
                 plgpu.store(mh_ref.at[b, hv, ti[:, None], jh[None, :]], top(mh_u))
                 plgpu.store(mh_ref.at[b, hv, (ts + ti)[:, None], jh[None, :]], top(mh_o))
@@ -273,14 +328,13 @@ def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, 
 
         jax.lax.fori_loop(0, heads_per_program, head, 0)
 
-        def key_records(i, carry):                         # in K chunks: small register tiles
+        def key_records(i, carry):  # in K chunks: small register tiles
             xk = plgpu.load(k_ref.at[rows[:, None], kh, chunk(i)], mask=valid[:, None], other=0.0)
-            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], chunk(i))], xk.astype(rk_out.dtype),
-                        mask=rec[:, None])
+            plgpu.store(rk_out.at[(*lay, slot, kh, pos[:, None], chunk(i))], xk.astype(rk_out.dtype), mask=rec[:, None])
             return carry
 
         @pl.when(hv0 % ratio == 0)
-        def _keys():                                       # one writer per key head
+        def _keys():  # one writer per key head
             jax.lax.fori_loop(0, kd // block_k, key_records, 0)
 
 
@@ -288,10 +342,30 @@ def _coeff_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, g_ref, 
 # Kernel 2: the checkpoint pass
 
 
-def _apply_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, ckpt_ref, m_ref, mh_ref, *refs,
-                  num_requests, t_max, ts, hilo, ratio, block_v, block_k, pad_rows, stacked):
+def _apply_kernel(
+    layer_ref,
+    qsl_ref,
+    slots_ref,
+    wpos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    ckpt_ref,
+    m_ref,
+    mh_ref,
+    *refs,
+    num_requests,
+    t_max,
+    ts,
+    hilo,
+    ratio,
+    block_v,
+    block_k,
+    pad_rows,
+    stacked,
+):
     n_u = 2 if hilo else 1
-    ru_in, o_ref, ru_out = refs[:n_u], refs[n_u], refs[n_u + 1:]
+    ru_in, o_ref, ru_out = refs[:n_u], refs[n_u], refs[n_u + 1 :]
     n_tok, _, kd = q_ref.shape
     ring_len = mh_ref.shape[-1]
     lay = (layer_ref[0],) if stacked else ()
@@ -310,45 +384,47 @@ def _apply_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, 
 
         @pl.when((slot <= 0) & (n > 0))
         def _null_slot():
-            plgpu.store(o_ref.at[rows[:, None], hv, vcols[None, :]], jnp.zeros((ts, block_v), F32),
-                        mask=valid[:, None])
+            plgpu.store(o_ref.at[rows[:, None], hv, vcols[None, :]], jnp.zeros((ts, block_v), F32), mask=valid[:, None])
 
         @pl.when((slot > 0) & (n > 0))
         def _verify():
             m = jnp.clip(wpos_ref[slot], 0, ring_len)
+
             # X rows: [k_0..k_ts; q_0..q_ts] (Z = X h0); the V columns of M take v_0..v_ts (ts zeros after).
             def k_step(i, zt):
                 cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-                x = load_window_rows(k_ref, q_ref, start, n, kh, ts, cols)               # [2ts, BK]
+                x = load_window_rows(k_ref, q_ref, start, n, kh, ts, cols)  # [2ts, BK]
                 x = x if x.dtype == BF16 else x.astype(F32)
                 h0 = ckpt_ref[(*lay, slot, hv, pl.ds(i * block_k, block_k), pl.ds(vb * block_v, block_v))]
-                h0 = h0 if h0.dtype == BF16 else h0.astype(F32)                         # [BK, BV]
-                return zt + dot_f32(h0, x, trans_a=True, trans_b=True)                  # [BV, 2ts]
+                h0 = h0 if h0.dtype == BF16 else h0.astype(F32)  # [BK, BV]
+                return zt + dot_f32(h0, x, trans_a=True, trans_b=True)  # [BV, 2ts]
 
             zt = jax.lax.fori_loop(0, kd // block_k, k_step, jnp.zeros((block_v, 2 * ts), F32))
             r = jnp.arange(2 * ts, dtype=jnp.int32)
             v_ok = (r < ts) & (r < n)
-            vt = plgpu.load(v_ref.at[jnp.where(v_ok, start + r, 0)[None, :], hv, vcols[:, None]],
-                            mask=v_ok[None, :], other=0.0)                              # [BV, 2ts]
+            vt = plgpu.load(
+                v_ref.at[jnp.where(v_ok, start + r, 0)[None, :], hv, vcols[:, None]], mask=v_ok[None, :], other=0.0
+            )  # [BV, 2ts]
             vt = vt if vt.dtype == BF16 else vt.astype(F32)
-            m_z = m_ref[bi, hv, :, pl.ds(0, 2 * ts)]                                    # [2ts, 2ts]
-            m_v = m_ref[bi, hv, :, pl.ds(2 * ts, 2 * ts)]                               # [2ts, 2ts], cols >= ts: 0
-            yt = (dot_f32(finite_or_zero(zt), m_z, trans_b=True)
-                  + dot_f32(finite_or_zero(vt), m_v, trans_b=True))                     # [BV, 2ts]
+            m_z = m_ref[bi, hv, :, pl.ds(0, 2 * ts)]  # [2ts, 2ts]
+            m_v = m_ref[bi, hv, :, pl.ds(2 * ts, 2 * ts)]  # [2ts, 2ts], cols >= ts: 0
+            yt = dot_f32(finite_or_zero(zt), m_z, trans_b=True) + dot_f32(
+                finite_or_zero(vt), m_v, trans_b=True
+            )  # [BV, 2ts]
 
             def history():
                 jh = jnp.arange(ring_len, dtype=jnp.int32)
                 ok = jh < m
                 at = (*lay, slot, hv, jnp.where(ok, jh, 0)[:, None], vcols[None, :])
-                parts = [plgpu.load(p.at[at], mask=ok[:, None], other=0.0) for p in ru_in]    # [L, BV]
+                parts = [plgpu.load(p.at[at], mask=ok[:, None], other=0.0) for p in ru_in]  # [L, BV]
                 if not hilo:
                     parts = list(split_bf16(parts[0]))
-                mh_hi, mh_lo = split_bf16(mh_ref[bi, hv, :, :])                              # [2ts, L]
+                mh_hi, mh_lo = split_bf16(mh_ref[bi, hv, :, :])  # [2ts, L]
                 mm = functools.partial(plgpu.dot, trans_a=True, trans_b=True)
                 return mm(parts[1], mh_hi) + mm(parts[0], mh_lo) + mm(parts[0], mh_hi)
 
             yt += jax.lax.cond(m > 0, history, lambda: jnp.zeros((block_v, 2 * ts), F32))
-            ut, ot = jnp.split(yt, 2, axis=1)                                           # [BV, ts]
+            ut, ot = jnp.split(yt, 2, axis=1)  # [BV, ts]
             plgpu.store(o_ref.at[rows[None, :], hv, vcols[:, None]], ot, mask=valid[None, :])
             pos = m + t
             rec = valid & (pos < ring_len)
@@ -360,8 +436,24 @@ def _apply_kernel(layer_ref, qsl_ref, slots_ref, wpos_ref, q_ref, k_ref, v_ref, 
 # Wrapper
 
 
-def coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slots, t_max, *, block_k,
-                 num_warps, interpret, layer, heads_per_program=None):
+def coefficients(
+    q,
+    k,
+    g,
+    beta,
+    ring_k,
+    ring_g,
+    write_pos,
+    query_start_loc,
+    slots,
+    t_max,
+    *,
+    block_k,
+    num_warps,
+    interpret,
+    layer,
+    heads_per_program=None,
+):
     """Kernel 1: (M [B, HV, 2ts, 4ts], M_h [B, HV, 2ts, L], ring_k', ring_g') float32, the window's
     key and gate records written. Rows of requests with slot 0 or no tokens (and M_h of requests
     without history) are left unwritten: the apply kernel does not read them.
@@ -381,15 +473,25 @@ def coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slot
         heads_per_program = 1 if num_requests * hv <= ONE_WAVE else ratio
     if heads_per_program not in (1, ratio):
         raise ValueError(f"heads_per_program={heads_per_program}: must be 1 or HV / H = {ratio}")
-    kernel = functools.partial(_coeff_kernel, t_max=t_max, tt=tt, ts=ts, ratio=ratio,
-                               heads_per_program=heads_per_program, block_k=block_k, stacked=layer is not None)
+    kernel = functools.partial(
+        _coeff_kernel,
+        t_max=t_max,
+        tt=tt,
+        ts=ts,
+        ratio=ratio,
+        heads_per_program=heads_per_program,
+        block_k=block_k,
+        stacked=layer is not None,
+    )
     return pl.pallas_call(
         kernel,
         grid=(hv // heads_per_program, num_requests),
-        out_shape=(jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, 4 * ts), F32),
-                   jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, ring_len), F32),
-                   jax.ShapeDtypeStruct(ring_k.shape, ring_k.dtype),
-                   jax.ShapeDtypeStruct(ring_g.shape, ring_g.dtype)),
+        out_shape=(
+            jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, 4 * ts), F32),
+            jax.ShapeDtypeStruct((num_requests, hv, 2 * ts, ring_len), F32),
+            jax.ShapeDtypeStruct(ring_k.shape, ring_k.dtype),
+            jax.ShapeDtypeStruct(ring_g.shape, ring_g.dtype),
+        ),
         input_output_aliases={8: 2, 9: 3},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -397,22 +499,52 @@ def coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slot
     )(layer_operand(layer), i32(query_start_loc), i32(slots), i32(write_pos), q, k, g, beta, ring_k, ring_g)
 
 
-def apply(q, k, v, ckpt, mat, mat_h, parts, write_pos, query_start_loc, slots, t_max, *, block_v, block_k,
-          num_warps, num_stages, pad_rows, interpret, layer):
+def apply(
+    q,
+    k,
+    v,
+    ckpt,
+    mat,
+    mat_h,
+    parts,
+    write_pos,
+    query_start_loc,
+    slots,
+    t_max,
+    *,
+    block_v,
+    block_k,
+    num_warps,
+    num_stages,
+    pad_rows,
+    interpret,
+    layer,
+):
     """Kernel 2: (o [N, HV, V] float32, ring_u parts') from the checkpoint and the coefficients."""
     n_tok, h, kd = q.shape
     _, hv, vd = v.shape
     num_requests = slots.shape[0]
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-    kernel = functools.partial(_apply_kernel, num_requests=num_requests, t_max=t_max, ts=window_tile(t_max),
-                               hilo=len(parts) == 2, ratio=hv // h, block_v=block_v, block_k=block_k,
-                               pad_rows=pad_rows, stacked=layer is not None)
+    kernel = functools.partial(
+        _apply_kernel,
+        num_requests=num_requests,
+        t_max=t_max,
+        ts=window_tile(t_max),
+        hilo=len(parts) == 2,
+        ratio=hv // h,
+        block_v=block_v,
+        block_k=block_k,
+        pad_rows=pad_rows,
+        stacked=layer is not None,
+    )
     first_ring = 10
     o, *new_parts = pl.pallas_call(
         kernel,
         grid=(vd // block_v, hv, num_requests + 1),
-        out_shape=(jax.ShapeDtypeStruct((n_tok, hv, vd), F32),
-                   *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)),
+        out_shape=(
+            jax.ShapeDtypeStruct((n_tok, hv, vd), F32),
+            *(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts),
+        ),
         input_output_aliases={first_ring + i: 1 + i for i in range(len(parts))},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -421,8 +553,25 @@ def apply(q, k, v, ckpt, mat, mat_h, parts, write_pos, query_start_loc, slots, t
     return o, tuple(new_parts)
 
 
-def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-               *, config: VerifyConfig | None = None, interpret: bool | None = None, layer: int | None = None):
+def gdn_verify(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ckpt,
+    ring_k,
+    ring_u,
+    ring_g,
+    write_pos,
+    query_start_loc,
+    slots,
+    t_max,
+    *,
+    config: VerifyConfig | None = None,
+    interpret: bool | None = None,
+    layer: int | None = None,
+):
     """Kernel version of `jaxspec.ops.gdn.gdn_verify` (same arguments and results, `layer` included).
 
     The ring arrays are aliased to the outputs (updated in place when the caller donates them;
@@ -435,10 +584,40 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
     cfg = config or default_config(ckpt.dtype, vd)
     block_k = min(cfg.block_k, kd)
     parts = _parts(ring_u)
-    mat, mat_h, ring_k, ring_g = coefficients(q, k, g, beta, ring_k, ring_g, write_pos, query_start_loc, slots,
-                                              t_max, block_k=block_k, num_warps=cfg.coeff_warps,
-                                              interpret=interpret, layer=layer)
-    o, new_parts = apply(q, k, v, ckpt, mat, mat_h, parts, write_pos, query_start_loc, slots, t_max,
-                         block_v=min(cfg.block_v, vd), block_k=block_k, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, pad_rows=cfg.pad_rows, interpret=interpret, layer=layer)
+    mat, mat_h, ring_k, ring_g = coefficients(
+        q,
+        k,
+        g,
+        beta,
+        ring_k,
+        ring_g,
+        write_pos,
+        query_start_loc,
+        slots,
+        t_max,
+        block_k=block_k,
+        num_warps=cfg.coeff_warps,
+        interpret=interpret,
+        layer=layer,
+    )
+    o, new_parts = apply(
+        q,
+        k,
+        v,
+        ckpt,
+        mat,
+        mat_h,
+        parts,
+        write_pos,
+        query_start_loc,
+        slots,
+        t_max,
+        block_v=min(cfg.block_v, vd),
+        block_k=block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        pad_rows=cfg.pad_rows,
+        interpret=interpret,
+        layer=layer,
+    )
     return o, ring_k, new_parts if len(parts) == 2 else new_parts[0], ring_g

@@ -1,11 +1,13 @@
 """In-kernel pieces of the GDN verify kernels (`gdn_verify`): the float32-accurate tensor-core dot,
 selection-based finiteness, the unit-lower-triangular inverse, the window rows, a request's window
 and the zero rows of the padding tokens. Plain jnp on register tiles, lowered by Triton."""
+
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.tiles import split_bf16
 
 F32 = jnp.float32
@@ -41,8 +43,8 @@ def unit_lower_inverse(a_t, t, n_rows):
     row = t[:, None]
     inv = jnp.where(row == col, 1.0, 0.0).astype(F32)
     for i in range(1, n_rows):
-        a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)                       # A[i, j], indexed by j
-        contrib = jnp.sum(jnp.where(row < i, a_i[:, None] * inv, 0.0), axis=0)    # sum_{j<i} A_ij inv[j, :]
+        a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)  # A[i, j], indexed by j
+        contrib = jnp.sum(jnp.where(row < i, a_i[:, None] * inv, 0.0), axis=0)  # sum_{j<i} A_ij inv[j, :]
         inv = jnp.where(row == i, jnp.where(col == i, 1.0, -contrib[None, :]), inv)
     return inv
 

@@ -16,6 +16,7 @@ two); the position sums are one reduction over P_pad where the jnp form chains t
 so the two agree to float32 rounding, not bit for bit. A given kernel is deterministic: one
 program, a fixed order.
 """
+
 import dataclasses
 import functools
 
@@ -27,16 +28,16 @@ from jax.experimental.pallas import triton as plgpu
 from jaxspec.pallas.hardware import default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields
 
-FEATURE_CLAMP = 40.0          # as jaxspec.spec.estimator.FEATURE_CLAMP
-MAX_SLOPE_HALVINGS = 8        # as jaxspec.spec.estimator.MAX_SLOPE_HALVINGS
+FEATURE_CLAMP = 40.0  # as jaxspec.spec.estimator.FEATURE_CLAMP
+MAX_SLOPE_HALVINGS = 8  # as jaxspec.spec.estimator.MAX_SLOPE_HALVINGS
 FIELDS = ("slope", "intercepts", "h_xx", "h_x", "h_1", "g_x", "g_1", "n", "calls")
-
 
 
 @dataclasses.dataclass(frozen=True)
 class ObserveConfig:
     """block_b: batch rows per loop step (power of two): the tile [block_b, P_pad] stays in
     registers; num_warps: warps of the one program."""
+
     block_b: int = 256
     num_warps: int = 4
 
@@ -47,10 +48,16 @@ class ObserveConfig:
 def supports(state, x, verified, accepted) -> bool:
     """x [B, P] (B >= 1, 1 <= P <= 256) with verified / accepted [B] of an integer dtype."""
     try:
-        ok = (len(x.shape) == 2 and x.shape[0] >= 1 and 1 <= x.shape[1] <= 256
-              and tuple(verified.shape) == (x.shape[0],) and tuple(accepted.shape) == (x.shape[0],)
-              and jnp.issubdtype(verified.dtype, jnp.integer) and jnp.issubdtype(accepted.dtype, jnp.integer)
-              and state.intercepts.shape == (x.shape[1],))
+        ok = (
+            len(x.shape) == 2
+            and x.shape[0] >= 1
+            and 1 <= x.shape[1] <= 256
+            and tuple(verified.shape) == (x.shape[0],)
+            and tuple(accepted.shape) == (x.shape[0],)
+            and jnp.issubdtype(verified.dtype, jnp.integer)
+            and jnp.issubdtype(accepted.dtype, jnp.integer)
+            and state.intercepts.shape == (x.shape[1],)
+        )
         return bool(ok)
     except (AttributeError, TypeError):
         return False
@@ -61,14 +68,32 @@ def _sigmoid(z):
 
 
 def _finite(v):
-    return jnp.abs(v) < jnp.inf                   # False for NaN too
+    return jnp.abs(v) < jnp.inf  # False for NaN too
 
 
-def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_ref, g_x_ref, g_1_ref,
-            n_ref, calls_ref, *out_refs, block_b, p_pad, refit_interval, ridge, damping):
+def _kernel(
+    x_ref,
+    ver_ref,
+    acc_ref,
+    slope_ref,
+    b_ref,
+    h_xx_ref,
+    h_x_ref,
+    h_1_ref,
+    g_x_ref,
+    g_1_ref,
+    n_ref,
+    calls_ref,
+    *out_refs,
+    block_b,
+    p_pad,
+    refit_interval,
+    ridge,
+    damping,
+):
     batch, positions = x_ref.shape
     k = jnp.arange(p_pad, dtype=jnp.int32)
-    live_k = k < positions                                                   # [P_pad]
+    live_k = k < positions  # [P_pad]
 
     def load_vec(ref):
         return plgpu.load(ref.at[pl.ds(0, p_pad)], mask=live_k, other=0.0)
@@ -80,19 +105,20 @@ def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_re
     def tile(i, sums):
         r = i * block_b + rows
         live_r = r < batch
-        x = plgpu.load(x_ref.at[pl.ds(i * block_b, block_b), pl.ds(0, p_pad)],
-                       mask=live_r[:, None] & live_k[None, :], other=0.0)           # [Bt, P_pad]
+        x = plgpu.load(
+            x_ref.at[pl.ds(i * block_b, block_b), pl.ds(0, p_pad)], mask=live_r[:, None] & live_k[None, :], other=0.0
+        )  # [Bt, P_pad]
         ver = plgpu.load(ver_ref.at[pl.ds(i * block_b, block_b)], mask=live_r, other=0)[:, None]
         acc = plgpu.load(acc_ref.at[pl.ds(i * block_b, block_b)], mask=live_r, other=0)[:, None]
-        pos = (k[None, :] < jnp.minimum(acc, ver)) & live_k[None, :]           # label 1
-        neg = (k[None, :] == acc) & (acc < ver) & live_k[None, :]              # label 0
+        pos = (k[None, :] < jnp.minimum(acc, ver)) & live_k[None, :]  # label 1
+        neg = (k[None, :] == acc) & (acc < ver) & live_k[None, :]  # label 0
         finite = _finite(x)
         obs = (pos | neg) & finite
         xs = jnp.where(finite, jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP), 0.0)
         z = slope * xs + b[None, :]
-        p, q = _sigmoid(z), _sigmoid(-z)                                        # p, 1 - p
+        p, q = _sigmoid(z), _sigmoid(-z)  # p, 1 - p
         w = jnp.where(obs, p * q, 0.0)
-        res = jnp.where(obs, jnp.where(pos, q, -p), 0.0)                        # y - p
+        res = jnp.where(obs, jnp.where(pos, q, -p), 0.0)  # y - p
         terms = (w * xs * xs, w * xs, w, res * xs, res, obs.astype(jnp.float32))
         return tuple(s + jnp.sum(t, axis=0) for s, t in zip(sums, terms))
 
@@ -128,9 +154,17 @@ def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_re
     ok = _finite(new_a) & all_finite(new_b)
     due = calls % refit_interval == 0
 
-    out = dict(slope=jnp.where(due & ok, new_a, slope), intercepts=jnp.where(due & ok, new_b, b),
-               h_xx=jnp.where(due, 0.0, h_xx), h_x=jnp.where(due, 0.0, h_x), h_1=jnp.where(due, 0.0, h_1),
-               g_x=jnp.where(due, 0.0, g_x), g_1=jnp.where(due, 0.0, g_1), n=jnp.where(due, 0, n), calls=calls)
+    out = dict(
+        slope=jnp.where(due & ok, new_a, slope),
+        intercepts=jnp.where(due & ok, new_b, b),
+        h_xx=jnp.where(due, 0.0, h_xx),
+        h_x=jnp.where(due, 0.0, h_x),
+        h_1=jnp.where(due, 0.0, h_1),
+        g_x=jnp.where(due, 0.0, g_x),
+        g_1=jnp.where(due, 0.0, g_1),
+        n=jnp.where(due, 0, n),
+        calls=calls,
+    )
     for name, ref in zip(FIELDS, out_refs):
         if ref.shape:
             plgpu.store(ref.at[pl.ds(0, p_pad)], out[name], mask=live_k)
@@ -140,8 +174,8 @@ def _kernel(x_ref, ver_ref, acc_ref, slope_ref, b_ref, h_xx_ref, h_x_ref, h_1_re
 
 def _skip_poison(kernel, count, *refs):
     """The kernel with the poisoned input buffers (aliased to its outputs) left out of its refs."""
-    first = 3 + len(FIELDS)             # x, verified, accepted, then the state fields
-    return kernel(*refs[:first], *refs[first + count:])
+    first = 3 + len(FIELDS)  # x, verified, accepted, then the state fields
+    return kernel(*refs[:first], *refs[first + count :])
 
 
 def _poisoned(v):
@@ -150,8 +184,16 @@ def _poisoned(v):
     return jnp.full(v.shape, fill, v.dtype)
 
 
-def observe(state, x, verified, accepted, *, config: ObserveConfig | None = None,
-            interpret: bool | None = None, poison_outputs: bool = False):
+def observe(
+    state,
+    x,
+    verified,
+    accepted,
+    *,
+    config: ObserveConfig | None = None,
+    interpret: bool | None = None,
+    poison_outputs: bool = False,
+):
     """`jaxspec.spec.estimator.observe` in one launch: -> the new EstimatorState.
 
     poison_outputs: the kernel writes into NaN / INT_MIN filled buffers (tests)."""
@@ -162,10 +204,15 @@ def observe(state, x, verified, accepted, *, config: ObserveConfig | None = None
     block_b = min(cfg.block_b, pl.next_power_of_2(batch))
     p_pad = pl.next_power_of_2(positions)
     fields = [getattr(state, name) for name in FIELDS]
-    kernel = functools.partial(_kernel, block_b=block_b, p_pad=p_pad, refit_interval=state.refit_interval,
-                               ridge=float(state.ridge), damping=float(state.damping))
-    inputs = [jnp.asarray(x, jnp.float32), jnp.asarray(verified, jnp.int32), jnp.asarray(accepted, jnp.int32),
-              *fields]
+    kernel = functools.partial(
+        _kernel,
+        block_b=block_b,
+        p_pad=p_pad,
+        refit_interval=state.refit_interval,
+        ridge=float(state.ridge),
+        damping=float(state.damping),
+    )
+    inputs = [jnp.asarray(x, jnp.float32), jnp.asarray(verified, jnp.int32), jnp.asarray(accepted, jnp.int32), *fields]
     poison = [_poisoned(v) for v in fields] if poison_outputs else []
     if poison:
         kernel = functools.partial(_skip_poison, kernel, len(poison))

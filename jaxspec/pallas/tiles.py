@@ -1,4 +1,5 @@
 """Helpers shared by the Pallas kernels: tile-size arithmetic and the bf16 hi/lo split."""
+
 import jax.numpy as jnp
 
 

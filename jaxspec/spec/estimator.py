@@ -30,10 +30,11 @@ dropped if it still does; the intercepts then take their Newton step given the s
 actually taken: ``db = (f g_b - h_ab da) / (h_bb + r)``, which is exactly ``f`` times the
 Newton step when the slope step was not cut. A non-finite step is dropped whole.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,26 +44,26 @@ from jaxspec.ops import sampling
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import observe as pallas_observe
 
-FEATURE_CLAMP = 40.0     # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
+FEATURE_CLAMP = 40.0  # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
 MAX_SLOPE_HALVINGS = 8
 
-__all__ = ["EstimatorState", "init", "features", "predict", "observe", "refit",
-           "arrowhead_solve", "FEATURE_CLAMP"]
+__all__ = ["EstimatorState", "init", "features", "predict", "observe", "refit", "arrowhead_solve", "FEATURE_CLAMP"]
 
 
 @struct.dataclass
 class EstimatorState:
     """Device state of the estimator: coefficients, Newton statistics since the last refit, and
     the call counter. Hyper-parameters are static (part of the tree structure)."""
-    slope: jax.Array        # []    a, float32, kept >= 0
-    intercepts: jax.Array   # [P]   b_k, float32
-    h_xx: jax.Array         # []    Sum w x^2          (w = p (1 - p))
-    h_x: jax.Array          # [P]   Sum_k w x          (per position)
-    h_1: jax.Array          # [P]   Sum_k w
-    g_x: jax.Array          # []    Sum (y - p) x
-    g_1: jax.Array          # [P]   Sum_k (y - p)
-    n: jax.Array            # []    int32 observations since the last refit
-    calls: jax.Array        # []    int32 `observe` calls so far
+
+    slope: jax.Array  # []    a, float32, kept >= 0
+    intercepts: jax.Array  # [P]   b_k, float32
+    h_xx: jax.Array  # []    Sum w x^2          (w = p (1 - p))
+    h_x: jax.Array  # [P]   Sum_k w x          (per position)
+    h_1: jax.Array  # [P]   Sum_k w
+    g_x: jax.Array  # []    Sum (y - p) x
+    g_1: jax.Array  # [P]   Sum_k (y - p)
+    n: jax.Array  # []    int32 observations since the last refit
+    calls: jax.Array  # []    int32 `observe` calls so far
     refit_interval: int = struct.field(pytree_node=False, default=100)
     ridge: float = struct.field(pytree_node=False, default=1e-3)
     damping: float = struct.field(pytree_node=False, default=50.0)
@@ -77,42 +78,78 @@ def _check(name, value, ok, rule):
         raise ValueError(f"estimator {name}={value!r}: {rule}")
 
 
-def init(num_positions: int, *, slope: float = 0.5, intercept: float | Sequence[float] = -0.2,
-         refit_interval: int = 100, ridge: float = 1e-3, damping: float = 50.0) -> EstimatorState:
+def init(
+    num_positions: int,
+    *,
+    slope: float = 0.5,
+    intercept: float | Sequence[float] = -0.2,
+    refit_interval: int = 100,
+    ridge: float = 1e-3,
+    damping: float = 50.0,
+) -> EstimatorState:
     """A fresh estimator for ``num_positions`` draft positions (block size - 1).
 
     ``intercept`` is one value for every position or a sequence of ``num_positions`` values.
     """
-    _check("num_positions", num_positions,
-           isinstance(num_positions, int) and not isinstance(num_positions, bool)
-           and num_positions >= 1, "must be an int >= 1")
-    _check("slope", slope, isinstance(slope, (int, float)) and math.isfinite(slope) and slope >= 0,
-           "must be a finite number >= 0 (the slope is kept non-negative)")
-    _check("refit_interval", refit_interval,
-           isinstance(refit_interval, int) and not isinstance(refit_interval, bool)
-           and refit_interval >= 1, "must be an int >= 1")
-    _check("ridge", ridge, isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge > 0,
-           "must be a finite number > 0")
-    _check("damping", damping,
-           isinstance(damping, (int, float)) and math.isfinite(damping) and damping >= 0,
-           "must be a finite number >= 0")
+    _check(
+        "num_positions",
+        num_positions,
+        isinstance(num_positions, int) and not isinstance(num_positions, bool) and num_positions >= 1,
+        "must be an int >= 1",
+    )
+    _check(
+        "slope",
+        slope,
+        isinstance(slope, (int, float)) and math.isfinite(slope) and slope >= 0,
+        "must be a finite number >= 0 (the slope is kept non-negative)",
+    )
+    _check(
+        "refit_interval",
+        refit_interval,
+        isinstance(refit_interval, int) and not isinstance(refit_interval, bool) and refit_interval >= 1,
+        "must be an int >= 1",
+    )
+    _check(
+        "ridge",
+        ridge,
+        isinstance(ridge, (int, float)) and math.isfinite(ridge) and ridge > 0,
+        "must be a finite number > 0",
+    )
+    _check(
+        "damping",
+        damping,
+        isinstance(damping, (int, float)) and math.isfinite(damping) and damping >= 0,
+        "must be a finite number >= 0",
+    )
     if isinstance(intercept, (int, float)):
         _check("intercept", intercept, math.isfinite(intercept), "must be finite")
         b = jnp.full((num_positions,), intercept, jnp.float32)
     else:
         vals = [float(v) for v in intercept]
-        _check("intercept", intercept, len(vals) == num_positions
-               and all(math.isfinite(v) for v in vals),
-               f"must be one finite number or {num_positions} finite numbers")
+        _check(
+            "intercept",
+            intercept,
+            len(vals) == num_positions and all(math.isfinite(v) for v in vals),
+            f"must be one finite number or {num_positions} finite numbers",
+        )
         b = jnp.asarray(vals, jnp.float32)
     # distinct buffers per field, so the state can be donated to a jitted step
     zero = lambda: jnp.zeros((), jnp.float32)
     zeros = lambda: jnp.zeros((num_positions,), jnp.float32)
     return EstimatorState(
-        slope=jnp.asarray(slope, jnp.float32), intercepts=b,
-        h_xx=zero(), h_x=zeros(), h_1=zeros(), g_x=zero(), g_1=zeros(),
-        n=jnp.zeros((), jnp.int32), calls=jnp.zeros((), jnp.int32),
-        refit_interval=int(refit_interval), ridge=float(ridge), damping=float(damping))
+        slope=jnp.asarray(slope, jnp.float32),
+        intercepts=b,
+        h_xx=zero(),
+        h_x=zeros(),
+        h_1=zeros(),
+        g_x=zero(),
+        g_1=zeros(),
+        n=jnp.zeros((), jnp.int32),
+        calls=jnp.zeros((), jnp.int32),
+        refit_interval=int(refit_interval),
+        ridge=float(ridge),
+        damping=float(damping),
+    )
 
 
 # --------------------------------------------------------------------------------- feature
@@ -171,8 +208,10 @@ def _clean_features(x):
 
 def _check_positions(state, x):
     if x.shape[-1] != state.num_positions:
-        raise ValueError(f"estimator features shape {tuple(x.shape)}: last axis must be the "
-                         f"{state.num_positions} draft positions of the state")
+        raise ValueError(
+            f"estimator features shape {tuple(x.shape)}: last axis must be the "
+            f"{state.num_positions} draft positions of the state"
+        )
 
 
 def predict(state: EstimatorState, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -190,8 +229,9 @@ def predict(state: EstimatorState, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return p, jnp.stack(s, axis=-1)
 
 
-def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
-            accepted: jax.Array, *, impl: str = "auto") -> EstimatorState:
+def observe(
+    state: EstimatorState, x: jax.Array, verified: jax.Array, accepted: jax.Array, *, impl: str = "auto"
+) -> EstimatorState:
     """Add one step's labels to the Newton statistics; refit every ``refit_interval`` calls.
 
     x [B, P] features of the drafts, verified [B] drafts verified, accepted [B] drafts accepted.
@@ -209,34 +249,37 @@ def observe(state: EstimatorState, x: jax.Array, verified: jax.Array,
     B, P = x.shape
     verified, accepted = jnp.asarray(verified), jnp.asarray(accepted)
     if verified.shape != (B,) or accepted.shape != (B,):
-        raise ValueError(f"estimator observe: verified {verified.shape} and accepted "
-                         f"{accepted.shape} must both be [{B}] (one per row of x)")
+        raise ValueError(
+            f"estimator observe: verified {verified.shape} and accepted "
+            f"{accepted.shape} must both be [{B}] (one per row of x)"
+        )
     if use_kernel("observe", impl, lambda: pallas_observe.supports(state, x, verified, accepted)):
         return pallas_observe.observe(state, x, verified, accepted)
     k = jnp.arange(P, dtype=jnp.int32)[None, :]
     ver = verified.astype(jnp.int32)[:, None]
     acc = accepted.astype(jnp.int32)[:, None]
-    pos = k < jnp.minimum(acc, ver)                       # label 1
-    neg = (k == acc) & (acc < ver)                       # label 0: the first rejection
+    pos = k < jnp.minimum(acc, ver)  # label 1
+    neg = (k == acc) & (acc < ver)  # label 0: the first rejection
     finite = jnp.isfinite(x)
     obs = (pos | neg) & finite
     xs = jnp.where(finite, jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP), 0.0)
     z = state.slope * xs + state.intercepts
-    p, q = jax.nn.sigmoid(z), jax.nn.sigmoid(-z)          # p and 1 - p without cancellation
+    p, q = jax.nn.sigmoid(z), jax.nn.sigmoid(-z)  # p and 1 - p without cancellation
     w = jnp.where(obs, p * q, 0.0)
-    r = jnp.where(obs, jnp.where(pos, q, -p), 0.0)        # y - p
+    r = jnp.where(obs, jnp.where(pos, q, -p), 0.0)  # y - p
     # one reduction over the batch for all six statistics (one kernel on the GPU, not six), with
     # the batch the minor axis: a row reduction, XLA's fastest kind
     terms = (w * xs * xs, w * xs, w, r * xs, r, obs.astype(jnp.float32))
-    sums = jnp.sum(jnp.stack([t.T for t in terms]), axis=-1)                        # [6, P]
+    sums = jnp.sum(jnp.stack([t.T for t in terms]), axis=-1)  # [6, P]
     state = state.replace(
         h_xx=state.h_xx + _sum_positions(sums[0]),
         h_x=state.h_x + sums[1],
         h_1=state.h_1 + sums[2],
         g_x=state.g_x + _sum_positions(sums[3]),
         g_1=state.g_1 + sums[4],
-        n=state.n + _sum_positions(sums[5]).astype(jnp.int32),     # exact: counts < 2^24 per step
-        calls=state.calls + 1)
+        n=state.n + _sum_positions(sums[5]).astype(jnp.int32),  # exact: counts < 2^24 per step
+        calls=state.calls + 1,
+    )
     due = state.calls % state.refit_interval == 0
     return jax.tree_util.tree_map(lambda new, old: jnp.where(due, new, old), refit(state), state)
 
@@ -284,13 +327,19 @@ def refit(state: EstimatorState) -> EstimatorState:
     for _ in range(MAX_SLOPE_HALVINGS):
         da = jnp.where(a + da < 0, da * 0.5, da)
     da = jnp.where(a + da < 0, 0.0, da)
-    db = (f * state.g_1 - state.h_x * da) / (state.h_1 + ridge)   # given the slope step taken
+    db = (f * state.g_1 - state.h_x * da) / (state.h_1 + ridge)  # given the slope step taken
     ok = ok & jnp.isfinite(da) & _all_finite(db)
     new_a = jnp.where(ok, a + da, a)
     new_b = jnp.where(ok, state.intercepts + db, state.intercepts)
     ok = jnp.isfinite(new_a) & _all_finite(new_b)
     zero = jnp.zeros_like
     return state.replace(
-        slope=jnp.where(ok, new_a, a), intercepts=jnp.where(ok, new_b, state.intercepts),
-        h_xx=zero(state.h_xx), h_x=zero(state.h_x), h_1=zero(state.h_1),
-        g_x=zero(state.g_x), g_1=zero(state.g_1), n=zero(state.n))
+        slope=jnp.where(ok, new_a, a),
+        intercepts=jnp.where(ok, new_b, state.intercepts),
+        h_xx=zero(state.h_xx),
+        h_x=zero(state.h_x),
+        h_1=zero(state.h_1),
+        g_x=zero(state.g_x),
+        g_1=zero(state.g_1),
+        n=zero(state.n),
+    )

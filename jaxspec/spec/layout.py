@@ -7,6 +7,7 @@ query_start_loc [B+1], slots [B]) and pads them up to the smallest tier that hol
 full-block tier uses the uniform `dense_layout` instead. `unpack_rows` brings per-row outputs
 back to a fixed [B, block, ...] shape for acceptance.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -45,7 +46,7 @@ def tiers(batch: int, block: int, num_tiers: int = 4) -> tuple[tuple[int, ...], 
         ladder = [batch]
         for i in range(1, num_tiers - 1):
             x = batch * block ** (i / (num_tiers - 1))
-            t = math.ceil(x / TIER_MULTIPLE - 1e-9) * TIER_MULTIPLE   # tolerance: 4 * 8**(1/3) is 8.000000000000002
+            t = math.ceil(x / TIER_MULTIPLE - 1e-9) * TIER_MULTIPLE  # tolerance: 4 * 8**(1/3) is 8.000000000000002
             if ladder[-1] < t < top:
                 ladder.append(t)
         if top > ladder[-1]:
@@ -78,9 +79,10 @@ def packed_layout(lengths, anchors, drafts, slots, tier_tokens: int):
     slots = jnp.asarray(slots, jnp.int32)
     b, d = drafts.shape
     window = jnp.where(slots > 0, jnp.clip(jnp.asarray(lengths, jnp.int32), 0, d) + 1, 0)
-    query_start_loc = jnp.minimum(jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(window, dtype=jnp.int32)]),
-                                  tier_tokens)
-    block_tokens = jnp.concatenate([anchors[:, None], drafts], axis=1)                # [B, D+1]
+    query_start_loc = jnp.minimum(
+        jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(window, dtype=jnp.int32)]), tier_tokens
+    )
+    block_tokens = jnp.concatenate([anchors[:, None], drafts], axis=1)  # [B, D+1]
     tokens = packing.to_packed(block_tokens, query_start_loc, tier_tokens)
     return tokens.astype(jnp.int32), query_start_loc, slots
 

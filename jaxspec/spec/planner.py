@@ -12,6 +12,7 @@ Two halves, split by where they run:
 
 `CostTable` holds the profiled step times the budget is priced with.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -45,8 +46,15 @@ class CostTable:
     given), `date` (UTC, ISO 8601, unless given) and `model` (when given).
     """
 
-    def __init__(self, entries: Mapping | None = None, metadata: Mapping | None = None, *, model: str | None = None,
-                 device: str | None = None, date: str | None = None):
+    def __init__(
+        self,
+        entries: Mapping | None = None,
+        metadata: Mapping | None = None,
+        *,
+        model: str | None = None,
+        device: str | None = None,
+        date: str | None = None,
+    ):
         self.entries: dict[tuple[int, int], float] = {}
         for key, seconds in dict(entries or {}).items():
             batch, tokens = key
@@ -64,8 +72,10 @@ class CostTable:
         for (batch, tokens), seconds in sorted(self.entries.items()):
             curves.setdefault(batch, []).append((tokens, seconds))
         self._batches = sorted(curves)
-        self._curves = {b: (np.array([t for t, _ in c], np.float64), np.array([s for _, s in c], np.float64))
-                        for b, c in curves.items()}
+        self._curves = {
+            b: (np.array([t for t, _ in c], np.float64), np.array([s for _, s in c], np.float64))
+            for b, c in curves.items()
+        }
 
     @property
     def is_trivial(self) -> bool:
@@ -84,7 +94,7 @@ class CostTable:
 
     def _curve(self, batch: int, tokens: float) -> float:
         xs, ys = self._curves[batch]
-        return float(np.interp(tokens, xs, ys))          # np.interp clamps outside [xs[0], xs[-1]]
+        return float(np.interp(tokens, xs, ys))  # np.interp clamps outside [xs[0], xs[-1]]
 
     def step_time(self, batch: int, tokens: int) -> float:
         """Interpolated seconds of a step of `batch` requests verifying `tokens` tokens in all."""
@@ -103,8 +113,11 @@ class CostTable:
         return (1 - w) * self._curve(b0, tokens) + w * self._curve(b1, tokens)
 
     def to_json(self) -> dict:
-        return {"version": COST_TABLE_VERSION, "metadata": self.metadata,
-                "entries": [{"batch": b, "tokens": t, "seconds": s} for (b, t), s in sorted(self.entries.items())]}
+        return {
+            "version": COST_TABLE_VERSION,
+            "metadata": self.metadata,
+            "entries": [{"batch": b, "tokens": t, "seconds": s} for (b, t), s in sorted(self.entries.items())],
+        }
 
     @classmethod
     def from_json(cls, obj: Mapping) -> CostTable:
@@ -117,7 +130,7 @@ class CostTable:
         if "device" not in self.metadata:
             self.metadata["device"] = _default_device()
         if "date" not in self.metadata:
-            self.metadata["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            self.metadata["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
             f.write("\n")
@@ -135,9 +148,10 @@ def _is_int(x) -> bool:
 def _default_device() -> str:
     try:
         import jax
+
         d = jax.devices()[0]
         return f"{d.platform}:{d.device_kind}"
-    except Exception:                                     # pragma: no cover - no backend at all
+    except Exception:  # pragma: no cover - no backend at all
         return "unknown"
 
 
@@ -148,7 +162,7 @@ def expected_tokens(survival) -> np.ndarray:
         raise ValueError(f"survival must be [B, D], got shape {s.shape}")
     flat = s.reshape(-1)
     flat = np.where(np.isnan(flat), -np.inf, flat)
-    top = -np.sort(-flat)                                 # descending, NaN (-inf) last
+    top = -np.sort(-flat)  # descending, NaN (-inf) last
     top = np.where(np.isfinite(top), top, 0.0)
     return s.shape[0] + np.concatenate([[0.0], np.cumsum(top)])
 
