@@ -1,6 +1,6 @@
 """Sampling: the processed target distribution, the draft distribution, chain acceptance.
 
-Target distribution (DESIGN section 7): top-k on the RAW logits (ties: lower token id first), divide
+Target distribution (docs/design.md section 7): top-k on the RAW logits (ties: lower token id first), divide
 only the k selected values by the temperature (a positive temperature keeps their order), softmax,
 then top-p within those k, renormalise. The result is a sparse distribution: k_max (probability,
 token id) pairs per row, sorted by probability descending, zeros beyond the row's cut. Nothing of
@@ -12,7 +12,7 @@ Draft distribution: q = softmax(draft logits / T) is kept as the logits and per-
 that also give the estimator's feature; the draw is a Gumbel-max over the scaled logits and
 acceptance reads q only at the drafted and the target's top-k ids.
 
-Acceptance (DESIGN sections 7, 8): window row t of a verify holds the target distribution after
+Acceptance (docs/design.md sections 7, 8): window row t of a verify holds the target distribution after
 [anchor, d_1..d_t]; draft d_{t+1} is judged by row t. Request r verifies its first
 ℓ_r = num_verify[r] drafts; greedy rows accept while the draft equals the target argmax, sampling
 rows run standard chain rejection sampling; the bonus token comes from row a_r (a_r = accepted
@@ -22,14 +22,13 @@ request's tokens do not depend on which other requests share its batch.
 
 Every function is pure jnp: jittable and vmappable.
 """
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import topk as pallas_topk
-from jaxspec.pallas import topk_lanes as pallas_topk_lanes
-from jaxspec.pallas import topk_maxima as pallas_topk_maxima
 
 
 @struct.dataclass
@@ -62,26 +61,19 @@ class SamplingParams:
 def _per_row(x, lead):
     """x [lead[:n]] (a prefix of the row dims, e.g. [B] for rows [B, T]) -> x broadcast to lead."""
     x = jnp.asarray(x)
-    if x.shape != tuple(lead[:x.ndim]):
+    if x.shape != tuple(lead[: x.ndim]):
         raise ValueError(f"per-request array of shape {x.shape} does not prefix the row shape {tuple(lead)}")
     return jnp.broadcast_to(x.reshape(x.shape + (1,) * (len(lead) - x.ndim)), lead)
 
 
 # ------------------------------------------------------------------------------ target side
 
-def _validated(impl, kernel):
-    """impl="auto" takes a kernel only once its GPU tests have passed on the H200 (its module's
-    `GPU_VALIDATED`); impl="pallas" always reaches it."""
-    return impl == "pallas" or kernel.GPU_VALIDATED
-
 
 def greedy_tokens(logits, *, impl="auto"):
     """logits [..., vocab] (any float dtype) -> argmax [...] int32, the lowest id on ties.
 
-    impl="auto" keeps jnp.argmax: on the H200 the argmax kernel measured 0.84x of XLA at fp32 and
-    1.1-1.2x at bf16 (bench/RESULTS.md), not worth a kernel launch; impl="pallas" reaches it."""
-    if use_kernel("greedy_tokens", impl, lambda: impl == "pallas" and pallas_topk.supports_argmax(logits)):
-        return pallas_topk.argmax(logits)
+    No kernel: XLA's fused argmax is already one read of the logits (every impl runs jnp.argmax)."""
+    use_kernel("greedy_tokens", impl, None)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
@@ -92,16 +84,12 @@ def top_k(logits, k, *, impl="auto"):
     -> (values [..., k] logits.dtype, ids [..., k] int32), sorted descending in the IEEE total order
     (-NaN < -inf < ... < -0.0 < +0.0 < ... < +inf < +NaN), ties: lower id first. A row with fewer
     than k finite logits ends with its -inf entries, lowest unused ids first.
-    The Pallas kernels cover float32 / bfloat16 with k <= 64, each taken by impl="auto" once
-    GPU-validated, the first that supports the call: the chunk-maxima kernel
-    (pallas/topk_maxima.py: one read keeping maxima, then an exact selection; vocab <= 2**20), then
-    the lane-buffer kernel (pallas/topk_lanes.py). (The chunked kernel, pallas/topk.py, covers no
-    call these do not and is no longer dispatched: it stays as the benchmarks' baseline.)
+    The kernel (pallas/topk.py: chunk maxima in one read, then an exact selection) covers float32 /
+    bfloat16 with k <= 64 and vocab <= 2**20 (`pallas_topk.supports`); impl="auto" runs the reference
+    on any other call (slower, never wrong), impl="pallas" raises on it.
     """
-    kernel = next((m for m in (pallas_topk_maxima, pallas_topk_lanes) if _validated(impl, m) and m.supports(logits, k)),
-                  None)
-    if use_kernel("top_k", impl, lambda: kernel is not None):
-        return kernel.top_k(logits, k)
+    if use_kernel("top_k", impl, lambda: pallas_topk.supports(logits, k)):
+        return pallas_topk.top_k(logits, k)
     return jax.lax.top_k(logits, k)
 
 
@@ -127,21 +115,21 @@ def target_distribution(logits, params, max_top_k, *, impl="auto"):
     row_top_k = _per_row(params.top_k, lead).astype(jnp.int32)
     top_p = _per_row(params.top_p, lead).astype(jnp.float32)
 
-    vals, ids = top_k(logits, k_max, impl=impl)                    # stable: lower id first on ties
+    vals, ids = top_k(logits, k_max, impl=impl)  # stable: lower id first on ties
     vals = vals.astype(jnp.float32)
     pos = jnp.arange(k_max, dtype=jnp.int32)
     k_row = jnp.where((row_top_k <= 0) | (row_top_k >= vocab), k_max, jnp.minimum(row_top_k, k_max))
     in_k = pos < k_row[..., None]
 
     greedy = temperature <= 0.0
-    top = vals[..., :1]                                            # the row max (order is kept)
+    top = vals[..., :1]  # the row max (order is kept)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     scaled = (vals - top) / jnp.where(greedy, 1.0, temperature)[..., None]
     scaled = jnp.where(in_k, scaled, -jnp.inf)
-    e = jnp.exp(scaled)                                            # <= 1, exp(-inf) = 0
+    e = jnp.exp(scaled)  # <= 1, exp(-inf) = 0
     probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
-    mass_before = jnp.cumsum(probs, axis=-1) - probs               # exclusive prefix mass
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive prefix mass
     keep = (mass_before < top_p[..., None]) | (top_p[..., None] >= 1.0) | (pos == 0)
     probs = jnp.where(keep, probs, 0.0)
     total = jnp.sum(probs, axis=-1, keepdims=True)
@@ -151,6 +139,7 @@ def target_distribution(logits, params, max_top_k, *, impl="auto"):
 
 
 # ------------------------------------------------------------------------------ draft side
+
 
 def scaled_logits(logits, temperature):
     """z = logits / T in float32 [..., vocab]; temperature of a shape that prefixes the row dims (or a
@@ -185,6 +174,7 @@ class DraftDistribution:
     temperature [...] float32 per row; T <= 0: greedy, q = one-hot on the argmax
     argmax, zmax, ties, rest [...]: `logit_stats` of z = logits / T (T <= 0 rows: T = 1)
     """
+
     logits: jnp.ndarray
     temperature: jnp.ndarray
     argmax: jnp.ndarray
@@ -238,6 +228,7 @@ def sample_draft(key, q: DraftDistribution):
 
 # ------------------------------------------------------------------------------ acceptance
 
+
 def _accept_one(key, probs, ids, drafts, q_at_draft, q_at_ids, num_verify, temperature):
     """One request. probs/ids [T, K], drafts [T-1], q_at_draft [T-1], q_at_ids [T-1, K],
     num_verify and temperature scalars -> (num_accepted, bonus, emitted [T])."""
@@ -254,7 +245,7 @@ def _accept_one(key, probs, ids, drafts, q_at_draft, q_at_ids, num_verify, tempe
     u = jax.random.uniform(key_u, (t_len - 1,), jnp.float32)
     ok_sample = u * q_at_draft < p_at_draft
     greedy = temperature <= 0.0
-    ok = jnp.where(greedy, ok_greedy, ok_sample) & verified       # NaN garbage rows compare False
+    ok = jnp.where(greedy, ok_greedy, ok_sample) & verified  # NaN garbage rows compare False
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
 
     # bonus from row a: residual after a rejection (a < num_verify), else a plain sample from p_a
@@ -262,7 +253,7 @@ def _accept_one(key, probs, ids, drafts, q_at_draft, q_at_ids, num_verify, tempe
     q_a = q_at_ids[jnp.minimum(a, t_len - 2)]
     rejected = a < num_verify
     residual = jnp.maximum(p_a - q_a, 0.0)
-    residual_ok = jnp.sum(residual) > 0.0                          # p == q exactly: fall back to p
+    residual_ok = jnp.sum(residual) > 0.0  # p == q exactly: fall back to p
     w = jnp.where(rejected & residual_ok, residual, p_a)
     idx = jax.random.categorical(key_bonus, jnp.log(w))
     sampled = ids[a, idx]
@@ -299,15 +290,22 @@ def accept(keys, target_probs, target_ids, draft_tokens, draft_q, num_verify, te
         raise ValueError(f"draft_tokens {draft_tokens.shape}: expected {(b, t_len - 1)}")
     num_verify = jnp.clip(num_verify.astype(jnp.int32), 0, t_len - 1)
     drafts = draft_tokens.astype(jnp.int32)
-    if t_len == 1:                                                 # no drafts: q is never read
+    if t_len == 1:  # no drafts: q is never read
         q_at_draft = jnp.ones((b, 0), jnp.float32)
         q_at_ids = jnp.zeros((b, 1) + target_ids.shape[2:], jnp.float32)
-    elif draft_q is None:                                          # deterministic draft: q = one-hot
+    elif draft_q is None:  # deterministic draft: q = one-hot
         q_at_draft = jnp.ones((b, t_len - 1), jnp.float32)
         q_at_ids = (target_ids[:, :-1] == drafts[..., None]).astype(jnp.float32)
     else:
         q_at_draft = draft_q.prob_at(drafts[..., None])[..., 0]
         q_at_ids = draft_q.prob_at(target_ids[:, :-1])
-    return jax.vmap(_accept_one)(keys, target_probs.astype(jnp.float32), target_ids.astype(jnp.int32),
-                                 drafts, q_at_draft, q_at_ids, num_verify,
-                                 jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)))
+    return jax.vmap(_accept_one)(
+        keys,
+        target_probs.astype(jnp.float32),
+        target_ids.astype(jnp.int32),
+        drafts,
+        q_at_draft,
+        q_at_ids,
+        num_verify,
+        jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
+    )

@@ -31,6 +31,7 @@ bit pattern 0xffffffff with 0xfffffffe. Sentinels: INT_MIN (float32) and -2**15 
 negative NaN 0xffff shares) are the least keys, the maxima of columns past the vocabulary; the
 selection excludes chunks, blocks and columns past it by index, so a tie with them is harmless.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,16 +42,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
 from jaxspec.pallas.tiles import check_pow2_fields, next_pow2
 
-MAX_K = 64                  # the selection's [K, group] / [K, chunk] tiles live in registers
-MAX_BLOCKS = 4096           # select_top_k holds a row's block maxima in registers
+MAX_K = 64  # the selection's [K, group] / [K, chunk] tiles live in registers
+MAX_BLOCKS = 4096  # select_top_k holds a row's block maxima in registers
 _TARGET_PROGRAMS = 4 * NUM_SMS  # about four stream programs an SM keep enough loads in flight
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _I32 = jnp.int32
-INT_MIN = -2**31
-KEY_FLOOR = INT_MIN + 1     # the least float32 key of a logit: above the sentinel
+INT_MIN = -(2**31)
+KEY_FLOOR = INT_MIN + 1  # the least float32 key of a logit: above the sentinel
 
 
 def sort_key(x):
@@ -84,7 +86,7 @@ def _outputs(shapes, poison, first_input):
 def _sentinel(key16):
     """The least key, the maximum of columns past the vocabulary (int16's least for bfloat16 keys,
     INT_MIN for float32)."""
-    return -2**15 if key16 else INT_MIN
+    return -(2**15) if key16 else INT_MIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,7 @@ class TopKConfig:
       the step halved likewise (down to one block).
     num_warps / select_warps: warps of a stream / selection program (1..16, power of two).
     """
+
     chunk: int = 16
     group: int = 16
     blocks_per_step: int = 16
@@ -114,8 +117,16 @@ class TopKConfig:
     select_warps: int = 2
 
     def __post_init__(self):
-        check_pow2_fields(self, [("chunk", 4, 64), ("group", 4, 64), ("blocks_per_step", 1, 64),
-                                 ("num_warps", 1, 16), ("select_warps", 1, 16)])
+        check_pow2_fields(
+            self,
+            [
+                ("chunk", 4, 64),
+                ("group", 4, 64),
+                ("blocks_per_step", 1, 64),
+                ("num_warps", 1, 16),
+                ("select_warps", 1, 16),
+            ],
+        )
         if not (isinstance(self.unroll, int) and 1 <= self.unroll <= 16):
             raise ValueError(f"TopKConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
         if self.steps is not None and not (isinstance(self.steps, int) and self.steps >= 1):
@@ -126,8 +137,10 @@ class TopKConfig:
         width = self.chunk * self.group
         num_blocks = pl.cdiv(vocab, width)
         if num_blocks > MAX_BLOCKS:
-            raise ValueError(f"TopKConfig: vocab={vocab} makes {num_blocks} blocks of {width} columns, more "
-                             f"than {MAX_BLOCKS}: raise chunk or group")
+            raise ValueError(
+                f"TopKConfig: vocab={vocab} makes {num_blocks} blocks of {width} columns, more "
+                f"than {MAX_BLOCKS}: raise chunk or group"
+            )
         step_blocks = min(self.blocks_per_step, next_pow2(num_blocks))
         total_steps = pl.cdiv(num_blocks, step_blocks)
         steps = self.steps
@@ -136,14 +149,24 @@ class TopKConfig:
             while steps > 1 and rows * pl.cdiv(total_steps, steps) < _TARGET_PROGRAMS:
                 steps //= 2
             while steps == 1 and step_blocks > 1 and rows * pl.cdiv(num_blocks, step_blocks) < _TARGET_PROGRAMS:
-                step_blocks //= 2                    # few rows: programs of one shorter step
+                step_blocks //= 2  # few rows: programs of one shorter step
             total_steps = pl.cdiv(num_blocks, step_blocks)
         steps = min(steps, total_steps)
-        return dict(chunk=self.chunk, group=self.group, width=width, num_blocks=num_blocks,
-                    blocks_pad=next_pow2(num_blocks), step_blocks=step_blocks, steps=steps,
-                    programs=pl.cdiv(total_steps, steps), unroll=min(self.unroll, steps), K=next_pow2(k),
-                    key16=jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16), num_warps=self.num_warps,
-                    select_warps=self.select_warps)
+        return dict(
+            chunk=self.chunk,
+            group=self.group,
+            width=width,
+            num_blocks=num_blocks,
+            blocks_pad=next_pow2(num_blocks),
+            step_blocks=step_blocks,
+            steps=steps,
+            programs=pl.cdiv(total_steps, steps),
+            unroll=min(self.unroll, steps),
+            K=next_pow2(k),
+            key16=jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16),
+            num_warps=self.num_warps,
+            select_warps=self.select_warps,
+        )
 
 
 def supports(logits, k, config: TopKConfig | None = None) -> bool:
@@ -185,11 +208,10 @@ def _chunk_keys(x, key16):
     return key if key16 else jnp.maximum(key, _I32(KEY_FLOOR))
 
 
-def _maxima_kernel(x_ref, *refs, vocab, chunk, group, width, num_blocks, step_blocks, steps, unroll,
-                   key16):
+def _maxima_kernel(x_ref, *refs, vocab, chunk, group, width, num_blocks, step_blocks, steps, unroll, key16):
     """Program (r, p): blocks [p * steps * step_blocks, ...) of row r, a step of step_blocks blocks
     at a time: [step_blocks, group, chunk] keys -> chunk maxima [step_blocks, group] -> block maxima."""
-    cm_ref, bm_ref = refs[-2:]                   # (the poisoned buffers they alias come first)
+    cm_ref, bm_ref = refs[-2:]  # (the poisoned buffers they alias come first)
     r, p = pl.program_id(0), pl.program_id(1)
     first = p * (steps * step_blocks)
     n_cols = step_blocks * width
@@ -209,11 +231,11 @@ def _maxima_kernel(x_ref, *refs, vocab, chunk, group, width, num_blocks, step_bl
     def store(i, loaded, masked):
         b0 = first + i * step_blocks
         if masked:
-            cmax = jnp.max(loaded.reshape(step_blocks, group, chunk), axis=2)      # [B, G]
+            cmax = jnp.max(loaded.reshape(step_blocks, group, chunk), axis=2)  # [B, G]
         else:
             cmax = _chunk_keys(loaded.reshape(step_blocks, group, chunk), key16)
-        bmax = jnp.max(cmax, axis=1)                                             # [B]
-        chunk_ids = (b0 + blk)[:, None] * group + within                         # [B, G]
+        bmax = jnp.max(cmax, axis=1)  # [B]
+        chunk_ids = (b0 + blk)[:, None] * group + within  # [B, G]
         ok = b0 + blk < num_blocks if masked else None
         plgpu.store(cm_ref.at[r, chunk_ids], cmax.astype(cm_dtype), mask=None if ok is None else ok[:, None])
         plgpu.store(bm_ref.at[r, b0 + blk], bmax, mask=ok)
@@ -239,13 +261,24 @@ def chunk_maxima(x, plan, *, interpret, poison_outputs=False):
     block's). poison_outputs: written into INT_MIN-filled buffers (unwritten entries show)."""
     rows, vocab = x.shape
     key16 = plan["key16"]
-    shapes = [((rows, plan["num_blocks"] * plan["group"]), jnp.int16 if key16 else jnp.int32),
-              ((rows, plan["num_blocks"]), jnp.int32)]
+    shapes = [
+        ((rows, plan["num_blocks"] * plan["group"]), jnp.int16 if key16 else jnp.int32),
+        ((rows, plan["num_blocks"]), jnp.int32),
+    ]
     out_shape, extra, aliases = _outputs(shapes, poison_outputs, 1)
     return pl.pallas_call(
-        functools.partial(_maxima_kernel, vocab=vocab, chunk=plan["chunk"], group=plan["group"], width=plan["width"],
-                          num_blocks=plan["num_blocks"], step_blocks=plan["step_blocks"], steps=plan["steps"],
-                          unroll=plan["unroll"], key16=key16),
+        functools.partial(
+            _maxima_kernel,
+            vocab=vocab,
+            chunk=plan["chunk"],
+            group=plan["group"],
+            width=plan["width"],
+            num_blocks=plan["num_blocks"],
+            step_blocks=plan["step_blocks"],
+            steps=plan["steps"],
+            unroll=plan["unroll"],
+            key16=key16,
+        ),
         out_shape=out_shape,
         out_specs=(pl.no_block_spec, pl.no_block_spec),
         grid=(rows, plan["programs"]),
@@ -318,13 +351,12 @@ def _compact(ids_ref, r, base, values, sel, K, interpret):
     # where a masked store's repeated indices would otherwise collide with written ones
     pos = jnp.where(sel, base + _row_major_cumsum(sel.astype(_I32)) - 1, 3 * K)
     plgpu.store(ids_ref.at[r, pos], values, mask=sel)
-    if not interpret:            # interpret mode runs a program's stores before its loads anyway
+    if not interpret:  # interpret mode runs a program's stores before its loads anyway
         plgpu.debug_barrier()
     return plgpu.load(ids_ref.at[r, pl.ds(base, K)])
 
 
-def _select_kernel(x_ref, cm_ref, bm_ref, *refs, vocab, k, K, chunk, group, num_blocks,
-                   blocks_pad, key16, interpret):
+def _select_kernel(x_ref, cm_ref, bm_ref, *refs, vocab, k, K, chunk, group, num_blocks, blocks_pad, key16, interpret):
     """Row r: top-k blocks -> top-k chunks of those -> top-k logits of those -> sorted by rank."""
     val_ref, idx_ref, ids_ref = refs[-3:]
     r = pl.program_id(0)
@@ -332,35 +364,35 @@ def _select_kernel(x_ref, cm_ref, bm_ref, *refs, vocab, k, K, chunk, group, num_
     slot = jnp.arange(K, dtype=_I32)
     compact = functools.partial(_compact, ids_ref, r, K=K, interpret=interpret)
 
-    def lower_bound(t, want):    # the step before took k keys >= t, each a key of this step's tile
+    def lower_bound(t, want):  # the step before took k keys >= t, each a key of this step's tile
         return jnp.where(want == k, t, _I32(INT_MIN))
 
     blocks = jnp.arange(blocks_pad, dtype=_I32)
     b_ok = blocks < num_blocks
-    b_keys = plgpu.load(bm_ref.at[r, jnp.where(b_ok, blocks, 0)], mask=b_ok, other=0)      # [NB]
+    b_keys = plgpu.load(bm_ref.at[r, jnp.where(b_ok, blocks, 0)], mask=b_ok, other=0)  # [NB]
     sel, t, want = _select(b_keys, b_ok, k, _I32(INT_MIN))
-    top_blocks = compact(0, blocks, sel)                                                   # [K]
+    top_blocks = compact(0, blocks, sel)  # [K]
 
-    chunks = top_blocks[:, None] * group + jnp.arange(group, dtype=_I32)[None, :]          # [K, G]
+    chunks = top_blocks[:, None] * group + jnp.arange(group, dtype=_I32)[None, :]  # [K, G]
     c_ok = (slot < want)[:, None] & (chunks < num_chunks)
     c_keys = plgpu.load(cm_ref.at[r, jnp.where(c_ok, chunks, 0)], mask=c_ok, other=0).astype(_I32)
     sel, t, want = _select(c_keys, c_ok, k, lower_bound(t, want))
-    top_chunks = compact(K, chunks, sel)                                                   # [K]
+    top_chunks = compact(K, chunks, sel)  # [K]
 
-    cols = top_chunks[:, None] * chunk + jnp.arange(chunk, dtype=_I32)[None, :]             # [K, C]
+    cols = top_chunks[:, None] * chunk + jnp.arange(chunk, dtype=_I32)[None, :]  # [K, C]
     e_ok = (slot < want)[:, None] & (cols < vocab)
     e_keys = _keys(plgpu.load(x_ref.at[r, jnp.where(e_ok, cols, 0)], mask=e_ok, other=0), key16)
     sel, _, want = _select(e_keys, e_ok, k, lower_bound(t, want))
-    top_cols = compact(2 * K, cols, sel)                                                   # [K], column order
+    top_cols = compact(2 * K, cols, sel)  # [K], column order
 
-    ok = slot < want                                                                       # want == k
+    ok = slot < want  # want == k
     top_cols = jnp.where(ok, top_cols, 0)
     vals = plgpu.load(x_ref.at[r, top_cols])
     key = jnp.where(ok, _keys(vals, key16), _I32(INT_MIN))
     # rank: keys ahead of it in lax.top_k's order (larger, or equal at a lower column)
     ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (slot[None, :] < slot[:, None]))
     rank = jnp.sum((ahead & ok[None, :]).astype(_I32), axis=1)
-    rank = jnp.where(ok, rank, k)                # past the row: see _compact
+    rank = jnp.where(ok, rank, k)  # past the row: see _compact
     plgpu.store(val_ref.at[r, rank], vals, mask=ok)
     plgpu.store(idx_ref.at[r, rank], top_cols, mask=ok)
 
@@ -373,9 +405,18 @@ def select_top_k(x, cm, bm, k, plan, *, interpret, poison_outputs=False):
     shapes = [((rows, k), x.dtype), ((rows, k), jnp.int32)]
     out_shape, extra, aliases = _outputs(shapes, poison_outputs, 3)
     vals, idx, _ = pl.pallas_call(
-        functools.partial(_select_kernel, vocab=vocab, k=k, K=K, chunk=plan["chunk"], group=plan["group"],
-                          num_blocks=plan["num_blocks"], blocks_pad=plan["blocks_pad"], key16=plan["key16"],
-                          interpret=interpret),
+        functools.partial(
+            _select_kernel,
+            vocab=vocab,
+            k=k,
+            K=K,
+            chunk=plan["chunk"],
+            group=plan["group"],
+            num_blocks=plan["num_blocks"],
+            blocks_pad=plan["blocks_pad"],
+            key16=plan["key16"],
+            interpret=interpret,
+        ),
         out_shape=out_shape + (jax.ShapeDtypeStruct((rows, 3 * K), jnp.int32),),
         out_specs=(pl.no_block_spec,) * 3,
         grid=(rows,),
@@ -387,8 +428,7 @@ def select_top_k(x, cm, bm, k, plan, *, interpret, poison_outputs=False):
     return vals, idx
 
 
-def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None = None,
-          poison_outputs: bool = False):
+def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None = None, poison_outputs: bool = False):
     """Values and indices of the k largest logits per row, in jax.lax.top_k's order.
 
     logits [..., vocab] bfloat16 / float32; k static, 1 <= k <= min(64, vocab) (`supports`).
@@ -397,8 +437,10 @@ def top_k(logits, k, *, config: TopKConfig | None = None, interpret: bool | None
     poison_outputs: every output starts NaN / INT_MIN (tests: an unwritten element shows).
     """
     if not supports(logits, k, config):
-        raise ValueError(f"top_k kernel: unsupported logits {getattr(logits, 'shape', None)} "
-                         f"{getattr(logits, 'dtype', None)} with k={k!r} (bf16/fp32, 1 <= k <= min(64, vocab))")
+        raise ValueError(
+            f"top_k kernel: unsupported logits {getattr(logits, 'shape', None)} "
+            f"{getattr(logits, 'dtype', None)} with k={k!r} (bf16/fp32, 1 <= k <= min(64, vocab))"
+        )
     if interpret is None:
         interpret = default_interpret()
     lead = logits.shape[:-1]
