@@ -1,8 +1,12 @@
 """`jaxspec` command line: generate, profile, estimator, train (target | draft), info.
 
-Invalid arguments exit with status 2 and a message naming the argument (argparse's convention).
+Every failure a user can cause (arguments, paths, checkpoints, configs, cost tables, output
+paths) exits with status 2 and one line on stderr, `jaxspec: error: argument X: ...`, naming the
+argument and the file; `--debug` shows the traceback instead. Output paths are checked before any
+long work starts. Any other exception is an internal error: one line, status 1 (`--debug` shows it).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -11,6 +15,61 @@ import sys
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
 DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
+
+
+# What loading or writing a user's file raises (the loaders' errors name the file and the tensor).
+USER_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `prog: error: message`, exit status 2 (`-h` shows the
+    usage); `blame` reports a failure under an argument the same way."""
+
+    debug = False
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)}\n")
+
+    @contextlib.contextmanager
+    def blame(self, argument, errors=USER_ERRORS):
+        """Report `errors` raised inside as `argument X: <message>` (status 2), or re-raise them
+        when --debug was given."""
+        try:
+            yield
+        except errors as e:
+            if self.debug:
+                raise
+            self.error(f"argument {argument}: {_one_line(e.args[0] if isinstance(e, KeyError) and e.args else e)}")
+
+
+def _one_line(message) -> str:
+    """The message with its line breaks and runs of spaces as single spaces."""
+    return " ".join(str(message).split())
+
+
+def output_file_problem(path) -> str | None:
+    """Why a file cannot be written at `path` (a directory, a missing or unwritable directory), or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    if not os.path.isdir(directory):
+        return f"{path!r}: directory {directory!r} does not exist"
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{path!r} is not writable"
+    return None
+
+
+def _output_dir_problem(path) -> str | None:
+    """Why directory `path` cannot be created or written (its nearest existing ancestor is a file or
+    unwritable), or None."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{path!r}: {existing!r} is not a directory"
+    if not os.access(existing, os.W_OK):
+        return f"{path!r}: {existing!r} is not writable"
+    return None
 
 
 def _bounded(name, cast, kind, rule, ok):
@@ -45,9 +104,12 @@ def _non_negative_float(name):
 def _parser():
     from jaxspec.config import VERIFY_MODES
 
-    parser = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for GDN-hybrid LLMs in JAX")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = _Parser(prog="jaxspec", description="Speculative decoding for GDN-hybrid LLMs in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="decode prompts with a target and a draft")
+    add = lambda name, **kw: sub.add_parser(name, parents=[common], **kw)
+    gen = add("generate", help="decode prompts with a target and a draft")
     gen.add_argument("--target", default=DEFAULT_TARGET,
                      help="target checkpoint directory (HF layout; default: the shipped models/tiny-target)")
     gen.add_argument("--draft", help="DFlash draft directory (needed unless --verify-mode none; default: "
@@ -56,21 +118,22 @@ def _parser():
     gen.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
     gen.add_argument("--verify-mode", choices=VERIFY_MODES, default="static")
     gen.add_argument("--temperature", type=_non_negative_float("--temperature"), default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=_non_negative_int("--top-k"), default=0, help="0: off")
+    gen.add_argument("--top-p", type=_bounded("--top-p", float, "a number", "in (0, 1]", lambda v: 0 < v <= 1),
+                     default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
     gen.add_argument("--max-len", type=positive_int("--max-len"), default=1024)
     gen.add_argument("--block-size", type=_bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
                      help="verify window (anchor + block_size - 1 drafts; default: the draft's block)")
     gen.add_argument("--warmup", action="store_true", help="decode the prompts once first, so tokens/s "
-                     "leaves compilation out")
+                     "leaves compilation out (without it, a speed that includes compilation says so)")
     gen.add_argument("--compare-none", action="store_true", help="also decode with the target alone "
                      "(verify mode none) and print both speeds")
     gen.add_argument("--cost-table", help="profiled cost table JSON (from `jaxspec profile`) for "
                      "cap-accept / compact")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    prof = sub.add_parser("profile", help="time the verify step per (batch, tier); write the cost table")
+    prof = add("profile", help="time the verify step per (batch, tier); write the cost table")
     prof.add_argument("--target", required=True)
     prof.add_argument("--draft", required=True)
     prof.add_argument("--batches", default="1", help="comma-separated active batch sizes")
@@ -78,22 +141,23 @@ def _parser():
     prof.add_argument("--max-len", type=positive_int("--max-len"), default=256)
     prof.add_argument("--repeats", type=positive_int("--repeats"), default=10)
     prof.add_argument("--out", required=True, help="cost table JSON to write")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     from jaxspec.spec import calibration
 
-    calibration.add_arguments(sub.add_parser("estimator", help="AUC and calibration of the acceptance "
-                                             "estimator on a recorded trace"))
+    calibration.add_arguments(add("estimator", help="AUC and calibration of the acceptance estimator on a "
+                                  "recorded trace"))
     _train_parser(sub.add_parser("train", help="train the tiny byte-level target or a DFlash draft on the "
-                                 "Python standard library's source (jaxspec.train)"))
-    info = sub.add_parser("info", help="print a checkpoint's config")
-    info.add_argument("path")
+                                 "Python standard library's source (jaxspec.train)"), common)
+    info = add("info", help="print the config of a target or a draft checkpoint, or a cost table")
+    info.add_argument("path", help="checkpoint directory, its config.json, or a cost table JSON")
     return parser
 
 
-def _train_parser(train):
+def _train_parser(train, common):
     """`jaxspec train target` and `jaxspec train draft`: flags shared by both, then each one's model shape."""
     what = train.add_subparsers(dest="what", required=True)
-    target = what.add_parser("target", help="train a byte-level GDN-hybrid target from scratch")
-    draft = what.add_parser("draft", help="train a DFlash draft against a frozen target")
+    target = what.add_parser("target", parents=[common], help="train a byte-level GDN-hybrid target from scratch")
+    draft = what.add_parser("draft", parents=[common], help="train a DFlash draft against a frozen target")
     for p, steps in ((target, 2000), (draft, 2000)):
         p.add_argument("--out", required=True, help="checkpoint directory to write (HF layout + metrics.json "
                        "+ loss_curve.png); rewritten at every evaluation")
@@ -149,10 +213,11 @@ def _train(args, parser):
         if not n_train or not n_held_out:
             parser.error(f"argument --corpus: {args.corpus!r} has {n_train} training and {n_held_out} held-out "
                          f"*.py files; both splits need some (held out: {', '.join(train.HELD_OUT_MODULES)})")
-    try:
+    problem = _output_dir_problem(args.out)
+    if problem:
+        parser.error(f"argument --out: {problem}")
+    with parser.blame("--out"):
         train.check_out_dir(args.out)
-    except ValueError as e:
-        parser.error(f"argument --out: {e}")
     common = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
                   weight_decay=args.weight_decay, grad_clip=args.grad_clip, out_dir=args.out,
                   eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
@@ -170,11 +235,11 @@ def _train(args, parser):
     else:
         from jaxspec.target import load_target
 
-        if not os.path.isfile(os.path.join(args.target, "config.json")):
-            parser.error(f"argument --target: {args.target!r} is not a checkpoint directory (no config.json)")
+        _check_checkpoint_dir(parser, "--target", args.target)
         if os.path.abspath(args.target) == os.path.abspath(args.out):
             parser.error("argument --out: must differ from --target")
-        target = load_target(args.target)
+        with parser.blame("--target"):
+            target = load_target(args.target)
         n_layers = target.config.num_hidden_layers
         taps = None
         if args.taps is not None:
@@ -212,115 +277,212 @@ def _run_training(parser, fn):
         parser.error(str(e))
 
 
+def _check_checkpoint_dir(parser, flag, path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        parser.error(f"argument {flag}: {path!r} is not a checkpoint directory (no config.json)")
+
+
+def _encode_prompts(parser, texts, tokenizer) -> list[list[int]]:
+    """The --prompt texts as token ids; text that is not UTF-8 (the shell passed bytes) or encodes to
+    nothing is refused, naming the prompt."""
+    prompts = []
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            parser.error(f"argument --prompt: prompt {i} is not valid UTF-8 text (byte "
+                         f"{os.fsencode(text[e.start:e.end])!r} at character {e.start})")
+        ids = tokenizer.encode(text)
+        if not ids:
+            parser.error(f"argument --prompt: prompt {i} is empty")
+        prompts.append(ids)
+    return prompts
+
+
+def _check_lengths(parser, args, prompts, window):
+    """Every prompt + --max-new-tokens + the verify window fits --max-len (the engine's refusal, up front)."""
+    for i, ids in enumerate(prompts):
+        need = len(ids) + args.max_new_tokens + window
+        if need > args.max_len:
+            parser.error(f"argument --max-new-tokens: prompt {i} ({len(ids)} tokens) + --max-new-tokens "
+                         f"{args.max_new_tokens} + the verify window {window} = {need} exceeds --max-len "
+                         f"{args.max_len}")
+
+
+def _speed(stats) -> str:
+    compiled = " including compilation (--warmup leaves it out)" if stats["includes_compilation"] else ""
+    return f"{stats['tokens_per_s']:.1f} tokens/s{compiled}"
+
+
 def _generate(args, parser):
     from jaxspec.config import SpecConfig
     from jaxspec.dflash import load_draft
     from jaxspec.engine import Engine
+    from jaxspec.spec.planner import CostTable
     from jaxspec.target import load_target
     from jaxspec.tokenizer import load_tokenizer
 
     if args.draft is None and os.path.abspath(args.target) == DEFAULT_TARGET:
         args.draft = DEFAULT_DRAFT
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
-        if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-            parser.error(f"argument {flag}: {path!r} is not a checkpoint directory (no config.json)")
+        if path is not None:
+            _check_checkpoint_dir(parser, flag, path)
     if args.verify_mode != "none" and args.draft is None:
         parser.error(f"argument --draft: required with --verify-mode {args.verify_mode}")
-    if args.cost_table is not None and not os.path.isfile(args.cost_table):
-        parser.error(f"argument --cost-table: {args.cost_table!r} is not a file")
-    try:
-        spec = SpecConfig(verify_mode=args.verify_mode, num_slots=args.num_slots, max_len=args.max_len,
-                          block_size=args.block_size)
-    except ValueError as e:
-        parser.error(str(e))
-    target = load_target(args.target)
-    draft = load_draft(args.draft, target) if args.draft and args.verify_mode != "none" else None
-    tokenizer = load_tokenizer(args.target)
+    cost_table = None
+    if args.cost_table is not None:
+        if not os.path.isfile(args.cost_table):
+            parser.error(f"argument --cost-table: {args.cost_table!r} is not a file")
+        with parser.blame("--cost-table"):
+            cost_table = CostTable.load(args.cost_table)
+    with parser.blame("--target"):
+        target = load_target(args.target)
+        tokenizer = load_tokenizer(args.target)
+    prompts = _encode_prompts(parser, args.prompt, tokenizer)
+    draft = None
+    if args.draft and args.verify_mode != "none":
+        with parser.blame("--draft"):
+            draft = load_draft(args.draft, target)
+        if args.block_size is not None and args.block_size > draft.config.block_size:
+            parser.error(f"argument --block-size: {args.block_size} exceeds the draft's block of "
+                         f"{draft.config.block_size}")
 
-    def decode(engine_spec, engine_draft, cost_table):
-        try:
-            engine = Engine(target, engine_draft, engine_spec, tokenizer=tokenizer, cost_table=cost_table)
-            run = lambda: engine.generate(args.prompt, max_new_tokens=args.max_new_tokens,
-                                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          seed=args.seed)
-            if args.warmup:
-                run()
-            return run()
-        except (ValueError, NotImplementedError) as e:
-            parser.error(str(e))
+    def decode(mode, engine_draft, table):
+        spec = SpecConfig(verify_mode=mode, num_slots=args.num_slots, max_len=args.max_len,
+                          block_size=args.block_size if mode != "none" else None)
+        engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
+        _check_lengths(parser, args, prompts, engine.window)
+        run = lambda: engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        if args.warmup:
+            run()
+        return run()
 
-    results = decode(spec, draft, args.cost_table)
+    results = decode(args.verify_mode, draft, cost_table)
     baseline = None
     if args.compare_none and args.verify_mode != "none":
-        baseline = decode(SpecConfig(verify_mode="none", num_slots=args.num_slots, max_len=args.max_len), None, None)
-    refused = 0
+        baseline = decode("none", None, None)
+    failed = 0
     for i, r in enumerate(results):
-        refused += r.error is not None
+        failed += r.error is not None
         base = baseline[i] if baseline is not None and r.error is None else None
         if args.json:
-            stats = {k: r.stats[k] for k in ("accept_length", "steps", "tokens_per_s")} if r.error is None else {}
+            keys = ("accept_length", "steps", "tokens_per_s", "includes_compilation")
+            stats = {k: r.stats[k] for k in keys} if r.stats else {}
             if base is not None:
                 stats["tokens_per_s_none"] = base.stats["tokens_per_s"]
                 stats["same_tokens_as_none"] = base.tokens == r.tokens
             print(json.dumps({"tokens": r.tokens, "text": r.text, "stats": stats, "error": r.error}))
-        elif r.error is not None:
-            print(f"refused: {r.error}", file=sys.stderr)
-        else:
+            continue
+        if r.tokens:
             print(r.text)
-            print(f"[{args.verify_mode}: {len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
-                  f"{r.stats['accept_length']:.2f}, {r.stats['tokens_per_s']:.1f} tokens/s]", file=sys.stderr)
-            if base is not None:
-                same = "the same tokens" if base.tokens == r.tokens else "different tokens"
-                print(f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, "
-                      f"{base.stats['tokens_per_s']:.1f} tokens/s ({same}); speculative speed-up "
-                      f"{r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]", file=sys.stderr)
-    return 1 if refused else 0
+        if r.error is not None:
+            print(f"{parser.prog}: error: {r.error}", file=sys.stderr)
+            continue
+        print(f"[{args.verify_mode}: {len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
+              f"{r.stats['accept_length']:.2f}, {_speed(r.stats)}]", file=sys.stderr)
+        if base is not None:
+            same = "the same tokens" if base.tokens == r.tokens else "different tokens"
+            print(f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
+                  f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _profile(args, parser):
+    from tqdm.auto import tqdm
+
     from jaxspec.config import SpecConfig
     from jaxspec.dflash import load_draft
     from jaxspec.engine import Engine
     from jaxspec.target import load_target
 
+    problem = output_file_problem(args.out)
+    if problem:
+        parser.error(f"argument --out: {problem}")
     for flag, path in (("--target", args.target), ("--draft", args.draft)):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            parser.error(f"argument {flag}: {path!r} is not a checkpoint directory (no config.json)")
+        _check_checkpoint_dir(parser, flag, path)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         parser.error(f"argument --batches: {args.batches!r} is not a comma-separated list of ints")
-    target = load_target(args.target)
-    try:
-        spec = SpecConfig(verify_mode="compact", num_slots=args.num_slots, max_len=args.max_len)
-        engine = Engine(target, load_draft(args.draft, target), spec)
-        table = engine.profile(batches, repeats=args.repeats)
-    except ValueError as e:
-        parser.error(str(e))
+    bad = [b for b in batches if not 1 <= b <= args.num_slots]
+    if bad:
+        parser.error(f"argument --batches: {bad[0]} is not in 1..--num-slots {args.num_slots}")
+    with parser.blame("--target"):
+        target = load_target(args.target)
+    with parser.blame("--draft"):
+        draft = load_draft(args.draft, target)
+    engine = Engine(target, draft, SpecConfig(verify_mode="compact", num_slots=args.num_slots, max_len=args.max_len))
+    prompt_len = 8
+    need = prompt_len + (args.repeats + 1) * engine.window
+    if need > args.max_len:
+        parser.error(f"argument --max-len: a prompt of {prompt_len} + (--repeats {args.repeats} + 1) verify windows "
+                     f"of {engine.window} = {need} tokens exceed --max-len {args.max_len}")
+    entries = sum(tier >= b for b in batches for tier in engine.tier_tokens)
+    with tqdm(total=entries, desc="profile", unit="entry", disable=args.no_progress, dynamic_ncols=True) as bar:
+        def progress(batch, tokens, seconds):
+            bar.set_postfix_str(f"batch {batch} tokens {tokens}: {seconds * 1e3:.2f} ms")
+            bar.update(1)
+
+        table = engine.profile(batches, repeats=args.repeats, prompt_len=prompt_len, on_entry=progress)
     table.metadata["model"] = os.path.basename(os.path.normpath(args.target))
-    table.save(args.out)
+    with parser.blame("--out"):
+        table.save(args.out)
     for (batch, tokens), seconds in sorted(table.entries.items()):
         print(f"batch {batch:4d}  tokens {tokens:5d}  {seconds * 1e3:9.3f} ms")
     return 0
 
 
+def _info(args, parser):
+    """The config of a target or a DFlash draft (a directory or its config.json), or a cost table, as JSON."""
+    from jaxspec.config import DraftConfig, TargetConfig
+    from jaxspec.spec.planner import CostTable
+
+    path = args.path
+    if not os.path.exists(path):
+        parser.error(f"argument path: {path!r} does not exist")
+    if os.path.isdir(path):
+        _check_checkpoint_dir(parser, "path", path)
+        path = os.path.join(path, "config.json")
+    with parser.blame("path"):
+        with open(path, encoding="utf-8") as f:
+            try:
+                obj = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        is_dict = isinstance(obj, dict)
+        if is_dict and "entries" in obj and "version" in obj:
+            out = CostTable.load(path).to_json()
+        elif is_dict and ("dflash_config" in obj or "DFlashDraftModel" in (obj.get("architectures") or ())):
+            out = DraftConfig.from_json(path).to_hf()
+        else:
+            out = TargetConfig.from_json(path).to_hf()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+_COMMANDS = {"generate": _generate, "profile": _profile, "train": _train, "info": _info}
+
+
 def main(argv=None):
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        return _generate(args, parser)
-    if args.command == "profile":
-        return _profile(args, parser)
-    if args.command == "train":
-        return _train(args, parser)
-    if args.command == "estimator":
-        from jaxspec.spec import calibration
+    parser.debug = args.debug
+    try:
+        if args.command == "estimator":
+            from jaxspec.spec import calibration
 
-        return calibration.run(args, parser)
-    from jaxspec.weights import load_config
-
-    print(json.dumps(load_config(args.path).to_hf(), indent=2))
-    return 0
+            return calibration.run(args, parser)
+        return _COMMANDS[args.command](args, parser)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        parser.exit(130, f"{parser.prog}: interrupted\n")
+    except Exception as e:                 # noqa: BLE001 - the one place every other failure ends
+        if args.debug:
+            raise
+        parser.exit(1, f"{parser.prog}: internal error: {type(e).__name__}: {_one_line(e)} (--debug shows the "
+                       f"traceback)\n")
 
 
 if __name__ == "__main__":

@@ -238,11 +238,10 @@ class TargetConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TargetConfig:
-        """Read a config.json file (or the config.json inside a directory)."""
+        """Read a config.json file (or the config.json inside a directory); errors name the file."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            return cls.from_hf(json.load(f))
+        return _from_file(path, cls.from_hf)
 
     def to_hf(self) -> dict:
         """The HF config dict in this config's layout; `from_hf(c.to_hf()) == c`.
@@ -284,6 +283,24 @@ class TargetConfig:
             return {"architectures": [_ARCHITECTURES[self.layout]], **text}
         return {"architectures": [_ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5",
                 "tie_word_embeddings": self.tie_word_embeddings, "text_config": text}
+
+
+def _from_file(path: str | os.PathLike, parse):
+    """parse(the JSON object in `path`); a file that is not a JSON object, or a config error, is
+    raised again (ValueError / NotImplementedError) with the file named."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: must hold a JSON object, not {type(d).__name__}")
+    try:
+        return parse(d)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{path}: {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _first(*values: Any) -> Any:
@@ -445,12 +462,14 @@ class DraftConfig:
 
     @classmethod
     def from_hf(cls, d: dict, target_hidden_size: int | None = None) -> DraftConfig:
-        dflash = d.get("dflash_config", {})
+        dflash = d.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ValueError(f"dflash_config={dflash!r}: must be an object")
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: d[k] for k in fields if k in d}
         values["target_layer_ids"] = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         values["mask_token_id"] = dflash.get("mask_token_id", d.get("mask_token_id"))
-        values.setdefault("target_hidden_size", target_hidden_size or d["hidden_size"])
+        values.setdefault("target_hidden_size", target_hidden_size or d.get("hidden_size"))
         missing = sorted(f.name for f in dataclasses.fields(cls)
                          if f.default is dataclasses.MISSING and values.get(f.name) is None)
         if missing:
@@ -458,10 +477,10 @@ class DraftConfig:
         return cls(**values)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> DraftConfig:
+    def from_json(cls, path: str | os.PathLike, target_hidden_size: int | None = None) -> DraftConfig:
+        """Read a config.json file (or the config.json inside a directory); errors name the file."""
         path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        with open(path) as f:
-            return cls.from_hf(json.load(f))
+        return _from_file(path, lambda d: cls.from_hf(d, target_hidden_size))
 
     def to_hf(self) -> dict:
         d = dataclasses.asdict(self)

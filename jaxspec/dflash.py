@@ -29,7 +29,7 @@ from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
 from jaxspec.target import Target, lm_head
-from jaxspec.weights import Checkpoint
+from jaxspec.weights import FiniteCheck, Checkpoint
 
 _LAYER_TENSORS = {  # param path inside a layer -> HF name suffix, and whether it is a linear
     ("input_norm",): ("input_layernorm.weight", False),
@@ -100,24 +100,31 @@ def _get(tree, path):
 
 
 def load_draft(path, target: Target, dtype=None) -> Draft:
-    """A DFlash draft directory (config.json + *.safetensors) checked against its target."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = DraftConfig.from_hf(json.load(f), target.config.hidden_size)
+    """A DFlash draft directory (config.json + *.safetensors) checked against its target.
+
+    Errors name the file or tensor: ValueError for a config that does not fit the target, an
+    unreadable file, a tensor of the wrong shape or one holding NaN or inf; KeyError for a missing
+    tensor (as `jaxspec.weights.load_params`).
+    """
+    config = DraftConfig.from_json(os.path.join(path, "config.json"), target.config.hidden_size)
     tc = target.config
     if config.vocab_size != tc.vocab_size or config.hidden_size != tc.hidden_size:
         raise ValueError(f"draft {path}: vocab_size/hidden_size {config.vocab_size}/{config.hidden_size} must "
                          f"match the target's {tc.vocab_size}/{tc.hidden_size} (shared embedding and lm_head)")
     if max(config.target_layer_ids) >= tc.num_hidden_layers:
-        raise ValueError(f"DraftConfig.target_layer_ids={config.target_layer_ids}: the target has "
+        raise ValueError(f"draft {path}: DraftConfig.target_layer_ids={config.target_layer_ids}: the target has "
                          f"{tc.num_hidden_layers} layers")
     dtype = target.dtype if dtype is None else jnp.dtype(dtype)
     ckpt, shapes = Checkpoint(path), param_shapes(config)
+    finite = FiniteCheck(ckpt)
     params = jax.tree_util.tree_map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     for p, name, linear in _tensors(config):
         shape = _get(shapes, p)
         x = jnp.asarray(ckpt.read(name, shape[::-1] if linear else shape))
+        finite.add(name, x)
         parent = _get(params, p[:-1])
         parent[p[-1]] = (x.T if linear else x).astype(dtype)
+    finite.check()
     return Draft(params=params, config=config)
 
 

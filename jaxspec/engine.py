@@ -5,10 +5,17 @@ prefill into free slots (one jitted prefill per prompt-length bucket) and leave 
 max_new_tokens or a stop string. The step never recompiles for a new mix of requests: slot
 occupancy is data (inactive rows point at the null slot 0). The host loop below never touches
 model arrays except to read the emitted tokens.
+
+Non-finite logits: a request whose target logits hold a NaN or an inf in a step (or at prefill)
+emits NON_FINITE instead of tokens, and the host ends it with `error` set; the others go on. A
+draft row with non-finite logits verifies no drafts that step (the target alone picks the token,
+so decoding stays lossless) and counts in `EngineState.draft_non_finite`, which `generate` reads
+once at its end to warn.
 """
 import collections
 import dataclasses
 import time
+import warnings
 from functools import cache, partial
 
 import jax
@@ -29,12 +36,15 @@ from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
 from jaxspec.target import Target
 
+NON_FINITE = -1     # the token id a step emits for a request whose target logits are not finite
+
 
 @struct.dataclass
 class EngineState:
-    """Device state: the target cache, the proposer's state, the acceptance estimator, and per
-    slot [S1] the anchor (the token emitted last, not yet in the target state), a raw PRNG key
-    [S1, 2] and sampling params."""
+    """Device state: the target cache, the proposer's state, the acceptance estimator, per slot
+    [S1] the anchor (the token emitted last, not yet in the target state), a raw PRNG key [S1, 2]
+    and sampling params, and draft_non_finite (int32 []: draft rows whose logits were not finite,
+    since the last `generate` began)."""
 
     cache: CacheState
     proposer: object
@@ -42,13 +52,18 @@ class EngineState:
     anchor: jnp.ndarray
     keys: jnp.ndarray
     sampling: SamplingParams
+    draft_non_finite: jnp.ndarray
 
 
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: generated ids (prompt excluded); text: their decoding when a tokenizer is known;
-    stats: steps, accepted and verified (drafts per step), accept_length (mean tokens committed
-    per verify step), tokens_per_s; error: why the request was refused (then tokens is empty)."""
+    stats: steps, accepted and verified (drafts per step; the last step may accept past the end),
+    accept_length (tokens the verify steps returned / steps: the returned tokens but the first,
+    which the prefill gives), tokens_per_s (from admission to the last token) and
+    includes_compilation (whether `generate` compiled a step or a prefill while it ran, so
+    tokens_per_s counts compile time); error: why the request was refused (then tokens is empty)
+    or ended early (then tokens are those emitted before), naming the prompt's index."""
 
     tokens: list
     stats: dict
@@ -66,7 +81,18 @@ class _Request:
     accepted: list = dataclasses.field(default_factory=list)
     verified: list = dataclasses.field(default_factory=list)
     start: float = 0.0
+    compiled: int = 0
     done: bool = False
+
+
+def _finite_rows(logits, used=None):
+    """logits [S, vocab] or [S, T, vocab] -> bool [S]: every logit the request uses is finite; with
+    `used` [S], window rows 0..used only (the rows that give emitted tokens: a rejected draft's
+    row reaches no token and no committed state)."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if used is not None:
+        finite = finite | (jnp.arange(logits.shape[1])[None, :] > used[:, None])
+    return jnp.all(finite.reshape(logits.shape[0], -1), axis=-1)
 
 
 def _target_rows(logits, params, greedy, max_top_k):
@@ -112,7 +138,9 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     acceptance at the planned length; compact packs only the planned windows into `tier` rows.
     force_accept: bool [], traced (so profiling and decoding share one compiled step per tier);
     True (profiling only) accepts every verified draft. Returns (state, emitted [S, T],
-    accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []).
+    accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []); a row whose
+    target logits are not finite at a window position up to its last accepted one emits NON_FINITE
+    throughout, a row whose draft logits are not finite verifies no drafts.
     """
     s, t = slots.shape[0], window
     active = slots > 0
@@ -127,6 +155,8 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
         draft_logits, proposer_state = proposer.propose(state.proposer, anchors, slots, ctx_len)
         dist = sampling.draft_distribution(draft_logits[:, :t - 1], params.temperature)
         drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
+        # [S]: from the row statistics the distribution already holds (no pass over the logits)
+        draft_finite = jnp.all(jnp.isfinite(dist.zmax) & jnp.isfinite(dist.rest), axis=-1)
     with jax.named_scope("estimator"):
         features = estimator.distribution_features(dist)
         _, survival = estimator.predict(state.estimator, features)
@@ -143,7 +173,7 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
                 tier = jnp.asarray(tiers, jnp.int32)[tier_index]
             budget = tier - jnp.sum(active, dtype=jnp.int32)
             lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
-    lengths = jnp.where(active, lengths, 0)
+    lengths = jnp.where(active & draft_finite, lengths, 0)
 
     def verify_commit(layout_tier, cache, proposer_state):
         """Verify the planned windows in a layout of `layout_tier` tokens (static), accept,
@@ -158,6 +188,7 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
             accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths,
                                                        params.temperature)
             accepted = jnp.where(force_accept, lengths, accepted)
+            emitted = jnp.where(_finite_rows(logits, accepted)[:, None], emitted, NON_FINITE)
         with jax.named_scope("commit"):
             cache = target_mod.commit(cache, slots, accepted, impl=impl)
         with jax.named_scope("draft_context"):
@@ -176,7 +207,8 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     with jax.named_scope("estimator"):
         estimator_state = estimator.observe(state.estimator, features, lengths, accepted)
     state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
-                          keys=state.keys.at[slots].set(key_next), estimator=estimator_state)
+                          keys=state.keys.at[slots].set(key_next), estimator=estimator_state,
+                          draft_non_finite=state.draft_non_finite + jnp.sum(active & ~draft_finite, dtype=jnp.int32))
     return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
@@ -196,6 +228,7 @@ def _decode(state: EngineState, target: Target, proposer, slots, plan, force_acc
         none = jnp.zeros((s,), jnp.int32)
         accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None,
                                                    none, params.temperature)
+        emitted = jnp.where(_finite_rows(logits)[:, None], emitted, NON_FINITE)
     with jax.named_scope("commit"):
         cache = target_mod.commit(cache, slots, accepted, impl=impl)
     state = state.replace(cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1]))
@@ -204,7 +237,8 @@ def _decode(state: EngineState, target: Target, proposer, slots, plan, force_acc
 
 def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
     """Prompts into their slots: tokens [R, P] padded, lengths [R] (>= 1), slots [R] (0 = padding row),
-    keys [R, 2] raw, params SamplingParams [R] -> (state, first generated token [R])."""
+    keys [R, 2] raw, params SamplingParams [R] -> (state, first generated token [R], NON_FINITE where
+    the last prompt position's logits are not finite)."""
     r, p = tokens.shape
     taps = proposer.taps if proposer is not None else ()
     logits, hidden, cache = target_mod.prefill(target, state.cache, tokens, lengths, slots, taps, impl=impl)
@@ -214,6 +248,7 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     choice = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys[:, 0], probs)
     sampled = jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
     first = jnp.where(params.temperature > 0, sampled, ids[:, 0]).astype(jnp.int32)
+    first = jnp.where(_finite_rows(last), first, NON_FINITE)
     proposer_state = state.proposer
     if proposer is not None:
         pos = jnp.arange(p)[None, :]
@@ -296,7 +331,7 @@ class Engine:
             proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
             estimator=estimator.init(self.window - 1, refit_interval=self.spec.refit_interval) if speculative else None,
             anchor=jnp.zeros((s1,), jnp.int32), keys=jnp.zeros((s1, 2), jnp.uint32),
-            sampling=SamplingParams.create(s1))
+            sampling=SamplingParams.create(s1), draft_non_finite=jnp.zeros((), jnp.int32))
 
     def _plans(self, old) -> bool:
         """Whether the next step plans a budget: not in static mode, during warm-up, without the
@@ -367,9 +402,10 @@ class Engine:
 
         return run
 
-    def profile(self, batches, *, repeats=10, prompt_len=8, seed=0) -> CostTable:
+    def profile(self, batches, *, repeats=10, prompt_len=8, seed=0, on_entry=None) -> CostTable:
         """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
-        accepted) and return the cost table the planner reads. The engine's state is reset."""
+        accepted) and return the cost table the planner reads. The engine's state is reset.
+        on_entry(batch, tier, seconds), if given, is called after each entry (e.g. a progress bar)."""
         if self.proposer is None:
             raise ValueError("profile: verify_mode 'none' has no tiers to profile")
         entries = {}
@@ -390,23 +426,33 @@ class Engine:
                     jax.block_until_ready(step())
                     times.append(time.perf_counter() - start)
                 entries[(batch, tier)] = float(np.median(times[1:]))       # the first call compiles
+                if on_entry is not None:
+                    on_entry(batch, tier, entries[(batch, tier)])
         self.state = self._init_state()
         return CostTable(entries)
 
     # ------------------------------------------------------------------------------ host side
 
     def _refusal(self, prompt, max_new_tokens) -> str | None:
+        """Why `prompt` (token ids) cannot be decoded, or None."""
         vocab = self.target.config.vocab_size
         if len(prompt) == 0:
-            return "prompt: empty"
+            return "empty"
+        not_int = [t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_))]
+        if not_int:
+            return f"token id {not_int[0]!r} is not an int"
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            return f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         need = len(prompt) + max_new_tokens + self.window
         if need > self.spec.max_len:
             return (f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + window "
                     f"({self.window}) = {need} exceeds SpecConfig.max_len={self.spec.max_len}")
         return None
+
+    def _compiled(self) -> int:
+        """Compiled variants of this engine's step and prefill so far (they grow when a call compiles)."""
+        return self._step._cache_size() + self._prefill._cache_size()
 
     def _bucket(self, n):
         return min(max(16, 1 << (n - 1).bit_length()), self.spec.max_len)
@@ -418,7 +464,7 @@ class Engine:
         tokens = np.zeros((rows, width), np.int32)
         lengths, slots, keys = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, 2), np.uint32)
         for i, req in enumerate(joining):
-            req.slot, req.start = free.pop(0), time.perf_counter()
+            req.slot, req.start, req.compiled = free.pop(0), time.perf_counter(), self._compiled()
             active[req.slot] = req
             tokens[i, :len(req.prompt)] = req.prompt
             lengths[i], slots[i], keys[i] = len(req.prompt), req.slot, req.key
@@ -433,8 +479,10 @@ class Engine:
         """Decode every prompt (a list of token-id lists, or strings with a tokenizer).
 
         Requests wait in a queue for a free slot; a bad request gets a result with `error` set and
-        the others go on. Per-request PRNG keys come from `seed` (an int, or one per prompt), so a
-        request's tokens do not depend on the requests it ran beside.
+        the others go on, as does a request whose target logits turn non-finite (it keeps the tokens
+        emitted before). Per-request PRNG keys come from `seed` (an int, or one per prompt), so a
+        request's tokens do not depend on the requests it ran beside. Draft rows with non-finite
+        logits (they verify nothing, see the module doc) are reported by one warning at the end.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive int")
@@ -457,28 +505,35 @@ class Engine:
                 if self.tokenizer is None:
                     raise ValueError("prompts: text prompts need Engine(tokenizer=...)")
                 prompt = self.tokenizer.encode(prompt)
-            prompt = [int(t) for t in prompt]
+            prompt = list(prompt)
             error = self._refusal(prompt, max_new_tokens)
             if error:
-                results[i] = GenerationResult(tokens=[], stats={}, error=error)
+                results[i] = GenerationResult(tokens=[], stats={}, error=f"prompt {i}: {error}")
             else:
-                queue.append(_Request(i, prompt, np.asarray(jax.random.PRNGKey(seeds[i]), np.uint32)))
+                queue.append(_Request(i, [int(t) for t in prompt], np.asarray(jax.random.PRNGKey(seeds[i]), np.uint32)))
         free = list(range(1, self.spec.num_slots + 1))
         active = {}
+        self.state = self.state.replace(draft_non_finite=jnp.zeros((), jnp.int32))
 
-        def finish(req):
+        def finish(req, error=None):
             req.done = True
             free.append(req.slot)
             del active[req.slot]
             elapsed = max(time.perf_counter() - req.start, 1e-9)
             steps = len(req.accepted)
             stats = {"steps": steps, "accepted": req.accepted, "verified": req.verified,
-                     "accept_length": (sum(a + 1 for a in req.accepted) / steps) if steps else 0.0,
-                     "tokens_per_s": len(req.tokens) / elapsed}
+                     "accept_length": (len(req.tokens) - 1) / steps if steps else 0.0,
+                     "tokens_per_s": len(req.tokens) / elapsed,
+                     "includes_compilation": self._compiled() != req.compiled}
             text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
-            results[req.index] = GenerationResult(tokens=req.tokens, stats=stats, text=text)
+            results[req.index] = GenerationResult(tokens=req.tokens, stats=stats, text=text,
+                                                  error=None if error is None else f"prompt {req.index}: {error}")
 
         def emit(req, tok):
+            if tok == NON_FINITE:
+                finish(req, f"the target's logits are not finite (NaN or inf) after {len(req.tokens)} generated "
+                            "tokens; the request was ended (its weights or activations overflow)")
+                return
             req.tokens.append(int(tok))
             stopped = stop and self.tokenizer is not None and any(s in self.tokenizer.decode(req.tokens) for s in stop)
             if int(tok) in eos or len(req.tokens) >= max_new_tokens or stopped:
@@ -525,4 +580,13 @@ class Engine:
                         if not req.done:
                             emit(req, tok)
             in_flight = dispatched
+        self._warn_draft_non_finite()
         return results
+
+    def _warn_draft_non_finite(self):
+        """One warning when draft rows had non-finite logits in the last `generate` (reads the counter)."""
+        count = int(self.state.draft_non_finite)
+        if count:
+            warnings.warn(f"the draft's logits were not finite (NaN or inf) in {count} request-steps; those steps "
+                          "verified no drafts (the output is unchanged, only slower): the draft is broken",
+                          RuntimeWarning, stacklevel=3)

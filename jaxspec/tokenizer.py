@@ -19,7 +19,10 @@ class HFTokenizer:
     def __init__(self, path):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(os.fspath(path))
+        try:
+            self._tok = Tokenizer.from_file(os.fspath(path))
+        except Exception as e:                 # the tokenizers package raises a bare Exception
+            raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

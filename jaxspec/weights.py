@@ -36,7 +36,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxspec.config import TargetConfig
@@ -134,15 +134,18 @@ def _put(tree, path, value):
 
 
 class Checkpoint:
-    """Lazy reader of the safetensors files of a directory (one file or sharded with an index)."""
+    """Lazy reader of the safetensors files of a directory (one file or sharded with an index).
+
+    Every failure raises an error naming the file or the tensor: FileNotFoundError (no directory,
+    no *.safetensors), ValueError (an index or a safetensors file that cannot be read, a tensor of
+    the wrong shape), KeyError (a missing tensor).
+    """
 
     def __init__(self, path):
         self.path = os.fspath(path)
         index = os.path.join(self.path, _INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                self.file_of = {k: os.path.join(self.path, v)
-                                for k, v in json.load(f)["weight_map"].items()}
+            self.file_of = {k: os.path.join(self.path, v) for k, v in _weight_map(index).items()}
             return
         files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
         if not files:
@@ -150,7 +153,7 @@ class Checkpoint:
         self.file_of = {}
         for name in files:
             full = os.path.join(self.path, name)
-            with safe_open(full, framework="numpy") as f:
+            with _open(full) as f:
                 for key in f.keys():
                     if key in self.file_of:
                         raise ValueError(
@@ -161,12 +164,63 @@ class Checkpoint:
         """Tensor `name` as a numpy array (bfloat16 via ml_dtypes), checked to be `shape`."""
         if name not in self.file_of:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
-        with safe_open(self.file_of[name], framework="numpy") as f:
+        with _open(self.file_of[name]) as f:
             got = tuple(f.get_slice(name).get_shape())
             if got != tuple(shape):
                 raise ValueError(
                     f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
-            return f.get_tensor(name)
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as e:
+                raise ValueError(f"{self.file_of[name]}: tensor {name!r} cannot be read ({e})") from None
+
+    def first_non_finite(self, name: str) -> str:
+        """Where tensor `name` first holds NaN or inf, e.g. 'nan at [0, 3]' (reads it again)."""
+        with _open(self.file_of[name]) as f:
+            x = f.get_tensor(name)
+        flat = ~np.isfinite(x.reshape(-1))
+        i = int(np.argmax(flat))
+        return f"{x.reshape(-1)[i]} at {list(map(int, np.unravel_index(i, x.shape)))}"
+
+
+class FiniteCheck:
+    """Refuses non-finite weights at load, in one pass where the tensors live: `add(name, x)`
+    queues an all-finite flag per tensor (a device reduction, nothing read back), `check()` reads
+    the flags once and raises ValueError naming the first tensor that holds a NaN or an inf."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt, self.names, self.flags = ckpt, [], []
+
+    def add(self, name: str, x) -> None:
+        self.names.append(name)
+        self.flags.append(jnp.all(jnp.isfinite(x)))
+
+    def check(self) -> None:
+        bad = [n for n, ok in zip(self.names, jax.device_get(self.flags)) if not ok]
+        if bad:
+            more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+            raise ValueError(f"tensor {bad[0]!r} in {self.ckpt.file_of[bad[0]]} holds a non-finite value "
+                             f"({self.ckpt.first_non_finite(bad[0])}){more}: the checkpoint is corrupt")
+
+
+def _open(file):
+    """safe_open, with an unreadable file (truncated, not safetensors) as a ValueError naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _weight_map(index):
+    """The tensor -> shard file map of a model.safetensors.index.json."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: weight_map must map tensor names to shard files")
+    return weight_map
 
 
 def _check_dtype(dtype):
@@ -211,16 +265,18 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
 
     Reads `model.safetensors.index.json`'s shards if present, else every *.safetensors in the
     directory; only the tensors the config needs are read. Every leaf is cast to `dtype`
-    (float32 or bfloat16). A missing tensor raises KeyError and a tensor of the wrong shape
-    ValueError, each naming the HF tensor.
+    (float32 or bfloat16). A missing tensor raises KeyError; a tensor of the wrong shape, one
+    holding NaN or inf, or an unreadable file raises ValueError, each naming the HF tensor or file.
     """
     dtype = _check_dtype(dtype)
     ckpt = Checkpoint(path)
+    finite = FiniteCheck(ckpt)
     shapes = param_shapes(config)
     params = {"layers": [{} for _ in config.layer_types]}
 
-    def put(keys, hf_array, relation):
+    def put(name, keys, hf_array, relation):
         x = jnp.asarray(hf_array)
+        finite.add(name, x)
         if relation == _LINEAR:
             x = x.T
         elif relation == _CONV:
@@ -228,18 +284,19 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
         _put(params, keys, x.astype(dtype))
 
     for name, keys, relation in _tensor_map(config):
-        put(keys, ckpt.read(name, _hf_shape(_get(shapes, keys), relation)), relation)
+        put(name, keys, ckpt.read(name, _hf_shape(_get(shapes, keys), relation)), relation)
     if config.layout == "qwen3_next":
         c, d = config, config.hidden_size
         qkvz_rows = c.linear_num_key_heads * (2 * c.linear_key_head_dim
                                               + 2 * c.value_heads_per_key * c.linear_value_head_dim)
         for i in config.gdn_layers:
             lp = f"model.layers.{i}.linear_attn."
-            parts = _split_qwen3_next(ckpt.read(lp + "in_proj_qkvz.weight", (qkvz_rows, d)),
-                                      ckpt.read(lp + "in_proj_ba.weight",
-                                                (2 * c.linear_num_value_heads, d)), c)
+            qkvz, ba = lp + "in_proj_qkvz.weight", lp + "in_proj_ba.weight"
+            parts = _split_qwen3_next(ckpt.read(qkvz, (qkvz_rows, d)),
+                                      ckpt.read(ba, (2 * c.linear_num_value_heads, d)), c)
             for k, x in parts.items():
-                put(("layers", i, "gdn", k), x, _LINEAR)
+                put(ba if k in ("b", "a") else qkvz, ("layers", i, "gdn", k), x, _LINEAR)
+    finite.check()
     return params
 
 

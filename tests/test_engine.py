@@ -1,6 +1,7 @@
 """The engine: lossless greedy decoding in every mode, continuous batching, bad input, memory."""
 import collections
 import math
+import warnings
 from pathlib import Path
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 import jaxspec
 from jaxspec.cache import cache_nbytes
 from jaxspec.config import SpecConfig
+from jaxspec import engine as engine_mod
 from jaxspec.engine import Engine
 from proposers import OracleProposer, random_draft
 
@@ -76,7 +78,10 @@ def test_oracle_drafts_hit_every_accept_length(model, prompts, reference, fold_p
         assert r.tokens == reference[i], f"prompt {i}"
         seen.update(r.stats["accepted"])
         steps = r.stats["steps"]
-        assert r.stats["accept_length"] == pytest.approx(sum(a + 1 for a in r.stats["accepted"]) / steps)
+        # tokens the steps returned per step: the first token is the prefill's, and the last step's
+        # accepted drafts past max_new_tokens are not returned
+        assert r.stats["accept_length"] == pytest.approx((len(r.tokens) - 1) / steps)
+        assert len(r.tokens) - 1 <= sum(a + 1 for a in r.stats["accepted"])
     assert seen == set(range(block)), f"accepted lengths seen: {sorted(seen)}"
 
 
@@ -94,9 +99,17 @@ def test_bad_requests_are_refused_and_others_finish(model, prompts, reference):
     bad = [[], [1, 512, 3], list(range(80))]
     results = engine.generate([prompts[0]] + bad + [prompts[1]], max_new_tokens=MAX_NEW)
     assert results[0].tokens == reference[0] and results[4].tokens == reference[1]
-    assert "prompt" in results[1].error and results[1].tokens == []
-    assert "512" in results[2].error and "vocabulary" in results[2].error
-    assert "max_new_tokens" in results[3].error
+    assert results[1].error.startswith("prompt 1:") and results[1].tokens == []
+    assert results[2].error.startswith("prompt 2:") and "512" in results[2].error and "vocabulary" in results[2].error
+    assert results[3].error.startswith("prompt 3:") and "max_new_tokens" in results[3].error
+
+
+def test_token_ids_that_are_not_ints_are_refused(model, prompts, reference):
+    engine = Engine(model, None, SpecConfig(verify_mode="none", num_slots=2, max_len=96))
+    results = engine.generate([[1, 100.5, 3], [True, 2], prompts[0], np.array(prompts[1])], max_new_tokens=MAX_NEW)
+    assert results[0].error == "prompt 0: token id 100.5 is not an int"
+    assert results[1].error == "prompt 1: token id True is not an int"
+    assert [r.tokens for r in results[2:]] == reference[:2]
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -170,3 +183,86 @@ def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
     assert len(trace.accepted) <= sum(host.values()) + len(prompts)
     report = calibration.evaluate(calibration.load_trace(tmp_path / "trace.npz"))
     assert report["samples"] == int(trace.verified.sum()) and 0.0 <= report["auc"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite logits and honest stats
+
+
+def _with_nan_embedding(model, token):
+    params = jax.tree_util.tree_map(lambda x: x, model.params)
+    params["embed"] = params["embed"].at[token].set(np.nan)
+    return model.replace(params=params)
+
+
+def _unused_token(*token_lists):
+    """A token id in none of the lists, and neither 0 (it pads prefill rows) nor 511 (the draft's mask)."""
+    used = set().union(*map(set, token_lists))
+    return next(t for t in range(1, 511) if t not in used)
+
+
+def test_non_finite_prompt_logits_end_that_request_only(model, prompts, reference):
+    """A token whose embedding is NaN makes the prefill logits of the prompt holding it non-finite:
+    that request ends with `error` and no tokens, the others decode exactly, and the slot it held
+    serves the next request exactly."""
+    bad = _unused_token(prompts[0], prompts[1], prompts[2], reference[0], reference[1], reference[2])
+    target = _with_nan_embedding(model, bad)
+    engine = Engine(target, random_draft(model, 4), SpecConfig(verify_mode="static", num_slots=2, max_len=96))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                            # no draft row went non-finite either
+        results = engine.generate([prompts[0], [3, bad, 5], prompts[1], prompts[2]], max_new_tokens=MAX_NEW)
+    assert results[1].tokens == [] and results[1].error.startswith("prompt 1: the target's logits are not finite")
+    assert [r.tokens for r in (results[0], results[2], results[3])] == reference[:3]
+
+
+@pytest.mark.parametrize("mode", ["none", "static"])
+def test_non_finite_logits_mid_decode_end_that_request(model, prompts, reference, mode):
+    """The token generated 6th has a NaN embedding: the step that reads it yields non-finite logits,
+    the request ends with the tokens emitted before, and the request beside it goes on exactly (a
+    rejected draft of that token reaches no emitted token). The draft reads the embedding too: in
+    static mode its block goes non-finite as well, which is reported once."""
+    at = next(p for p in range(5, MAX_NEW) if reference[0][p] not in set(prompts[0]) | set(reference[0][:p])
+              | set(prompts[1]) | set(reference[1]))
+    target = _with_nan_embedding(model, reference[0][at])
+    draft = random_draft(model, 4) if mode == "static" else None
+    engine = Engine(target, draft, SpecConfig(verify_mode=mode, num_slots=2, max_len=96))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ended, other = engine.generate([prompts[0], prompts[1]], max_new_tokens=MAX_NEW)
+    assert len(caught) == (mode == "static") and all("draft's logits" in str(w.message) for w in caught)
+    assert ended.error.startswith("prompt 0: the target's logits are not finite")
+    assert ended.tokens == reference[0][:len(ended.tokens)] and len(ended.tokens) <= at + 1
+    assert other.error is None and other.tokens == reference[1]
+
+
+def test_non_finite_draft_warns_once_and_stays_lossless(model, prompts, reference):
+    draft = random_draft(model, 4)
+    draft = draft.replace(params={**draft.params, "fc": draft.params["fc"].at[0, 0].set(np.nan)})
+    engine = Engine(model, draft, SpecConfig(verify_mode="static", num_slots=2, max_len=96))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = engine.generate(prompts[:3], max_new_tokens=MAX_NEW)
+        sampled = engine.generate(prompts[:3], max_new_tokens=MAX_NEW, temperature=0.8, seed=[1, 2, 3])
+    assert [r.tokens for r in results] == reference[:3]
+    for r in results:
+        assert r.stats["accept_length"] == 1.0 and set(r.stats["verified"]) == {0}
+    for r in sampled:                 # sampled from the target alone: valid tokens, none lost
+        assert r.error is None and len(r.tokens) == MAX_NEW and all(0 <= t < 512 for t in r.tokens)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 2 and all("draft's logits were not finite" in m for m in messages), messages
+
+
+def test_stats_label_compilation(model, prompts):
+    """includes_compilation is True when a step or prefill compiled during the request (fresh step
+    factories) and False once they are compiled."""
+    engine_mod._jitted_step.cache_clear()
+    engine_mod._jitted_prefill.cache_clear()
+    try:
+        engine = Engine(model, random_draft(model, 4), SpecConfig(verify_mode="static", num_slots=2, max_len=96))
+        first = engine.generate(prompts[:2], max_new_tokens=8)
+        second = engine.generate(prompts[:2], max_new_tokens=8)
+    finally:
+        engine_mod._jitted_step.cache_clear()
+        engine_mod._jitted_prefill.cache_clear()
+    assert [r.stats["includes_compilation"] for r in first] == [True, True]
+    assert [r.stats["includes_compilation"] for r in second] == [False, False]

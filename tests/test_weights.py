@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -199,3 +200,48 @@ def test_save_rejects_wrong_tree(tiny, tmp_path):
 def test_unsupported_dtype(tiny):
     with pytest.raises(ValueError, match="dtype"):
         load_params(FIXTURE, tiny, jnp.float16)
+
+
+@pytest.mark.parametrize("dtype,value,leaf,name,where", [
+    ("bf16", np.nan, ("layers", 1, "mlp", "down"), "model.layers.1.mlp.down_proj.weight", "nan at [0, 0]"),
+    ("f32", np.inf, ("lm_head",), "lm_head.weight", "inf at [0, 0]"),
+    ("f32", -np.inf, ("layers", 0, "gdn", "A_log"), "model.layers.0.linear_attn.A_log", "-inf at [0]"),
+], ids=["bf16-nan", "f32-inf", "f32-neg-inf"])
+def test_non_finite_tensor_is_refused_by_name(tiny, tmp_path, dtype, value, leaf, name, where):
+    params = random_params(tiny, DTYPES[dtype], seed=3)
+    parent = params
+    for k in leaf[:-1]:
+        parent = parent[k]
+    parent[leaf[-1]] = parent[leaf[-1]].at[(0,) * parent[leaf[-1]].ndim].set(value)   # HF element 0 too
+    save_params(tmp_path, params, tiny)
+    message = f"'{name}' in {tmp_path / 'model.safetensors'} holds a non-finite value ({where})"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_params(tmp_path, tiny, DTYPES[dtype])
+
+
+def test_non_finite_fused_tensor_is_named(tiny, tmp_path):
+    config = dataclasses.replace(tiny, layout="qwen3_next")
+    params = random_params(config, jnp.float32, seed=4)
+    params["layers"][2]["gdn"]["b"] = params["layers"][2]["gdn"]["b"].at[5, 1].set(np.nan)
+    save_params(tmp_path, params, config)
+    with pytest.raises(ValueError, match=r"'model\.layers\.2\.linear_attn\.in_proj_ba\.weight' .* non-finite"):
+        load_params(tmp_path, config)
+
+
+def test_unreadable_files_are_named(tiny, tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "cut")
+    data = (tmp_path / "cut" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut/model\.safetensors: not a readable safetensors file"):
+        load_params(tmp_path / "cut", tiny)
+    shutil.copytree(FIXTURE, tmp_path / "index")
+    (tmp_path / "index" / "model.safetensors.index.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match=r"index/model\.safetensors\.index\.json: not a safetensors index"):
+        load_params(tmp_path / "index", tiny)
+    shutil.copytree(FIXTURE, tmp_path / "config")
+    (tmp_path / "config" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config/config\.json: not valid JSON"):
+        load_config(tmp_path / "config")
+    (tmp_path / "config" / "config.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"config/config\.json: must hold a JSON object"):
+        load_config(tmp_path / "config")

@@ -4,7 +4,8 @@ Per token, per value head, with h [K, V] (docs/design.md section 3):
     h <- e^g h ;  u = beta (v - h^T k) ;  h <- h + k u^T ;  o = h^T q      (read after the update)
 q and k arrive l2-normalised (q also scaled by K^-1/2); value head hv reads key head hv // r with
 r = HV / H. u is the *corrected* update, so the state after any prefix of records (k_j, u_j, g_j) on
-top of a checkpoint h0 is  h_m = e^{G_m} h0 + sum_j e^{G_m - G_j} k_j u_j^T  (G inclusive cumsum).
+top of a checkpoint h0 is  h_m = e^{G_m} h0 + sum_j e^{G_m - G_j} k_j u_j^T  (G inclusive cumsum;
+the references form each G_i - G_j as a sum of its own gates, `_log_decays`).
 That identity gives rollback without snapshots: verify writes records into a per-slot ring, commit
 advances a cursor, and a fold (one matmul) moves live records into the checkpoint.
 
@@ -63,6 +64,29 @@ def _where(mask, x):
     return jnp.where(mask, x, jnp.zeros((), x.dtype))
 
 
+def _log_decays(g):
+    """g [..., T] -> D [..., T, T]: D[i, j] = g_{j+1} + ... + g_i (the log decay from token j to
+    token i) for j <= i, -inf above the diagonal.
+
+    Each entry sums its own gates down a column. The difference G_i - G_j of the cumsum G would
+    carry the rounding of |G_j|, which large gates make much larger than the difference: at
+    G ~ -400 a decay near 1 comes out 2e-5 off, and the model's float32 logits 1e-4 of their max
+    off the float64 evaluation (random checkpoints with extreme gates, tests/test_precision.py).
+    A non-finite g_t reaches rows >= t only.
+    """
+    t = g.shape[-1]
+    strict = jnp.tril(jnp.ones((t, t), bool), -1)
+    terms = _where(strict, jnp.broadcast_to(g[..., :, None], g.shape + (t,)))     # terms[i, j] = g_i, j < i
+    return jnp.where(jnp.tril(jnp.ones((t, t), bool)), jnp.cumsum(terms, axis=-2), -jnp.inf)
+
+
+def _suffix_sums(g):
+    """g [..., L] -> S [..., L]: S[j] = g_{j+1} + ... + g_{L-1} (0 for the last), summed term by
+    term from the end (no difference of large partial sums, as in `_log_decays`)."""
+    inclusive = jnp.cumsum(g[..., ::-1], axis=-1)[..., ::-1]
+    return jnp.concatenate([inclusive[..., 1:], jnp.zeros_like(g[..., :1])], axis=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Recurrent and chunked forms (prefill)
 
@@ -97,18 +121,17 @@ def _chunk_step(h0, chunk):
     G = jnp.cumsum(g, axis=-1)
     incl = jnp.tril(jnp.ones((c, c), bool))
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    decay = jnp.exp(jnp.where(incl, G[..., :, None] - G[..., None, :], -jnp.inf))          # [B, HV, C, C]
+    log_decay = _log_decays(g)                                                              # [B, HV, C, C]
+    decay = jnp.exp(log_decay)
     kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=HIGHEST)
     A = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     rhs = beta[..., None] * (v - jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", k, h0, precision=HIGHEST))
-    eye = jnp.eye(c, dtype=jnp.float32)
-    u = jax.lax.linalg.triangular_solve(eye + A, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u = _forward_substitute(A, rhs)
     qk = jnp.where(incl, jnp.einsum("bhik,bhjk->bhij", q, k, precision=HIGHEST) * decay, 0.0)
     o = (jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, h0, precision=HIGHEST)
          + jnp.einsum("bhij,bhjv->bhiv", qk, u, precision=HIGHEST))
-    G_c = G[..., -1:]
-    k_w = k * jnp.exp(G_c - G)[..., None]
-    h1 = jnp.exp(G_c)[..., None] * h0 + jnp.einsum("bhck,bhcv->bhkv", k_w, u, precision=HIGHEST)
+    k_w = k * jnp.exp(log_decay[..., -1, :])[..., None]                                    # e^{G_c - G_j}
+    h1 = jnp.exp(G[..., -1:])[..., None] * h0 + jnp.einsum("bhck,bhcv->bhkv", k_w, u, precision=HIGHEST)
     return h1, o
 
 
@@ -152,9 +175,9 @@ def _fold_state(h0, keys, updates, gates, num_records):
     G_m the sum of the m live gates (records j >= m ignored)."""
     hv, ring_len = gates.shape[1], gates.shape[2]
     live = (jnp.arange(ring_len)[None, :] < num_records[:, None])[:, None, :]            # [B, 1, L]
-    G = jnp.cumsum(_where(live, gates.astype(jnp.float32)), axis=-1)
-    G_m = G[..., -1]
-    coef = _where(live, jnp.exp(G_m[..., None] - G))                                      # [B, HV, L]
+    gates = _where(live, gates.astype(jnp.float32))
+    G_m = jnp.sum(gates, axis=-1)
+    coef = _where(live, jnp.exp(_suffix_sums(gates)))                                     # [B, HV, L]
     k_w = _where(live[..., None], expand_heads(keys.astype(jnp.float32), hv, 1) * coef[..., None])
     u = _where(live[..., None], updates)
     return jnp.exp(G_m)[..., None, None] * h0 + jnp.einsum("bhlk,bhlv->bhkv", k_w, u, precision=HIGHEST)
@@ -202,7 +225,7 @@ def _window(h, q, k, v, g, beta, valid):
     G = jnp.cumsum(g, axis=-1)
     incl = jnp.tril(jnp.ones((t, t), bool))
     strict = jnp.tril(jnp.ones((t, t), bool), -1)
-    decay = jnp.exp(jnp.where(incl, G[..., :, None] - G[..., None, :], -jnp.inf))
+    decay = jnp.exp(_log_decays(g))
     kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=HIGHEST)
     A = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     eG = jnp.exp(G)[..., None]

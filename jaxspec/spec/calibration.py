@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.cli import positive_int
 from jaxspec.spec import estimator as est
 
 __all__ = ["Trace", "TraceRecorder", "save_trace", "load_trace", "evaluate", "auc", "ece",
@@ -423,6 +422,10 @@ def format_report(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `estimator` command's arguments (for a sub-parser of the main CLI)."""
+    # imported here: `python -m jaxspec.cli` runs after `import jaxspec` (-> engine -> this module),
+    # which must not have imported jaxspec.cli already
+    from jaxspec.cli import positive_int
+
     parser.add_argument("trace",
                         help="trace .npz (features, verified, accepted[, temperature, step])")
     parser.add_argument("--plot", metavar="PNG", help="write a reliability plot")
@@ -435,9 +438,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args, parser: argparse.ArgumentParser) -> int:
+    from jaxspec.cli import output_file_problem
+
+    if args.plot and output_file_problem(args.plot):
+        parser.error(f"argument --plot: {output_file_problem(args.plot)}")
     try:
         trace = load_trace(args.trace)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         parser.error(f"argument trace: cannot read {args.trace!r}: {e}")
     state = est.init(trace.num_positions, refit_interval=args.refit_interval)
     result = evaluate(trace, state, batch_rows=args.batch_rows)

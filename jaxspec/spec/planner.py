@@ -137,8 +137,12 @@ class CostTable:
 
     @classmethod
     def load(cls, path) -> CostTable:
+        """The table a `save` wrote to `path`; ValueError naming the file when it holds none."""
         with open(path) as f:
-            return cls.from_json(json.load(f))
+            try:
+                return cls.from_json(json.load(f))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}: not a cost table ({type(e).__name__}: {e})") from None
 
 
 def _is_int(x) -> bool:
