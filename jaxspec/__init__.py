@@ -1,4 +1,5 @@
 """jaxspec: speculative decoding for GDN-hybrid LLMs in JAX (the public API of docs/design.md section 9)."""
+
 from jaxspec.config import SpecConfig
 from jaxspec.dflash import load_draft
 from jaxspec.engine import Engine

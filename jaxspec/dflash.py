@@ -14,6 +14,7 @@ Params (matrices for `x @ W`; d = hidden, n = len(target_layer_ids), Dt = target
              "mlp": {"gate": [d, I], "up": [d, I], "down": [I, d]}}]}
 ```
 """
+
 import json
 import os
 
@@ -29,7 +30,7 @@ from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
 from jaxspec.target import Target, lm_head
-from jaxspec.weights import FiniteCheck, Checkpoint
+from jaxspec.weights import Checkpoint, FiniteCheck
 
 _LAYER_TENSORS = {  # param path inside a layer -> HF name suffix, and whether it is a linear
     ("input_norm",): ("input_layernorm.weight", False),
@@ -44,8 +45,11 @@ _LAYER_TENSORS = {  # param path inside a layer -> HF name suffix, and whether i
     ("mlp", "up"): ("mlp.up_proj.weight", True),
     ("mlp", "down"): ("mlp.down_proj.weight", True),
 }
-_TOP_TENSORS = {("fc",): ("fc.weight", True), ("hidden_norm",): ("hidden_norm.weight", False),
-                ("norm",): ("norm.weight", False)}
+_TOP_TENSORS = {
+    ("fc",): ("fc.weight", True),
+    ("hidden_norm",): ("hidden_norm.weight", False),
+    ("norm",): ("norm.weight", False),
+}
 
 
 @struct.dataclass
@@ -66,13 +70,25 @@ class DraftState:
 
 def param_shapes(c: DraftConfig) -> dict:
     d, D, I = c.hidden_size, c.head_dim, c.intermediate_size
-    layer = {"input_norm": (d,), "post_norm": (d,),
-             "attn": {"q": (d, c.num_attention_heads * D), "k": (d, c.num_key_value_heads * D),
-                      "v": (d, c.num_key_value_heads * D), "o": (c.num_attention_heads * D, d),
-                      "q_norm": (D,), "k_norm": (D,)},
-             "mlp": {"gate": (d, I), "up": (d, I), "down": (I, d)}}
-    return {"fc": (len(c.target_layer_ids) * c.target_hidden_size, d), "hidden_norm": (d,), "norm": (d,),
-            "layers": [layer for _ in range(c.num_hidden_layers)]}
+    layer = {
+        "input_norm": (d,),
+        "post_norm": (d,),
+        "attn": {
+            "q": (d, c.num_attention_heads * D),
+            "k": (d, c.num_key_value_heads * D),
+            "v": (d, c.num_key_value_heads * D),
+            "o": (c.num_attention_heads * D, d),
+            "q_norm": (D,),
+            "k_norm": (D,),
+        },
+        "mlp": {"gate": (d, I), "up": (d, I), "down": (I, d)},
+    }
+    return {
+        "fc": (len(c.target_layer_ids) * c.target_hidden_size, d),
+        "hidden_norm": (d,),
+        "norm": (d,),
+        "layers": [layer for _ in range(c.num_hidden_layers)],
+    }
 
 
 def init_draft(config: DraftConfig, key, dtype=jnp.float32) -> Draft:
@@ -80,8 +96,7 @@ def init_draft(config: DraftConfig, key, dtype=jnp.float32) -> Draft:
     shapes = param_shapes(config)
     leaves, tree = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(leaves))
-    make = lambda s, k: (jnp.ones(s, dtype) if len(s) == 1
-                         else (jax.random.normal(k, s) * s[0] ** -0.5).astype(dtype))
+    make = lambda s, k: jnp.ones(s, dtype) if len(s) == 1 else (jax.random.normal(k, s) * s[0] ** -0.5).astype(dtype)
     return Draft(params=jax.tree_util.tree_unflatten(tree, [make(s, k) for s, k in zip(leaves, keys)]), config=config)
 
 
@@ -109,11 +124,15 @@ def load_draft(path, target: Target, dtype=None) -> Draft:
     config = DraftConfig.from_json(os.path.join(path, "config.json"), target.config.hidden_size)
     tc = target.config
     if config.vocab_size != tc.vocab_size or config.hidden_size != tc.hidden_size:
-        raise ValueError(f"draft {path}: vocab_size/hidden_size {config.vocab_size}/{config.hidden_size} must "
-                         f"match the target's {tc.vocab_size}/{tc.hidden_size} (shared embedding and lm_head)")
+        raise ValueError(
+            f"draft {path}: vocab_size/hidden_size {config.vocab_size}/{config.hidden_size} must "
+            f"match the target's {tc.vocab_size}/{tc.hidden_size} (shared embedding and lm_head)"
+        )
     if max(config.target_layer_ids) >= tc.num_hidden_layers:
-        raise ValueError(f"draft {path}: DraftConfig.target_layer_ids={config.target_layer_ids}: the target has "
-                         f"{tc.num_hidden_layers} layers")
+        raise ValueError(
+            f"draft {path}: DraftConfig.target_layer_ids={config.target_layer_ids}: the target has "
+            f"{tc.num_hidden_layers} layers"
+        )
     dtype = target.dtype if dtype is None else jnp.dtype(dtype)
     ckpt, shapes = Checkpoint(path), param_shapes(config)
     finite = FiniteCheck(ckpt)
@@ -143,8 +162,13 @@ def save_draft(path, draft: Draft) -> None:
 def init_state(config: DraftConfig, num_slots: int, max_len: int, dtype) -> DraftState:
     """Zero context caches for `num_slots` slots of up to `max_len` committed tokens (and the block
     past them)."""
-    shape = (config.num_hidden_layers, num_slots + 1, max_len + config.block_size, config.num_key_value_heads,
-             config.head_dim)
+    shape = (
+        config.num_hidden_layers,
+        num_slots + 1,
+        max_len + config.block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     return DraftState(ctx_k=jnp.zeros(shape, dtype), ctx_v=jnp.zeros(shape, dtype))
 
 
@@ -164,8 +188,10 @@ def write_context(draft: Draft, state: DraftState, hidden, positions, slot_of_ro
         ks.append(k)
         vs.append(v)
     at = (slice(None), rows, positions)
-    return DraftState(ctx_k=state.ctx_k.at[at].set(jnp.stack(ks).astype(state.ctx_k.dtype), mode="drop"),
-                      ctx_v=state.ctx_v.at[at].set(jnp.stack(vs).astype(state.ctx_v.dtype), mode="drop"))
+    return DraftState(
+        ctx_k=state.ctx_k.at[at].set(jnp.stack(ks).astype(state.ctx_k.dtype), mode="drop"),
+        ctx_v=state.ctx_v.at[at].set(jnp.stack(vs).astype(state.ctx_v.dtype), mode="drop"),
+    )
 
 
 def key_values(a, c, x, positions):
@@ -186,8 +212,10 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
     """
     p, c = draft.params, draft.config
     blk = c.block_size
-    tokens = jnp.concatenate([anchors[:, None], jnp.full((anchors.shape[0], blk - 1), c.mask_token_id, anchors.dtype)], 1)
-    x = target.params["embed"][tokens].astype(p["fc"].dtype)                                  # [B, blk, d]
+    tokens = jnp.concatenate(
+        [anchors[:, None], jnp.full((anchors.shape[0], blk - 1), c.mask_token_id, anchors.dtype)], 1
+    )
+    x = target.params["embed"][tokens].astype(p["fc"].dtype)  # [B, blk, d]
     positions = ctx_len[:, None] + jnp.arange(blk)[None, :]
     ctx_k, ctx_v = state.ctx_k, state.ctx_v
     for li, layer in enumerate(p["layers"]):
@@ -196,8 +224,9 @@ def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx
         q = dense(xn, a["q"]).reshape(xn.shape[:2] + (c.num_attention_heads, c.head_dim))
         q = apply_rope(rms_norm_plain(q, a["q_norm"], c.rms_norm_eps), positions, c.head_dim, c.rope_theta)
         k, v = key_values(a, c, xn, positions)
-        o, ctx_k, ctx_v = attention.attention_block(q, ctx_k, ctx_v, ctx_len, slots, k, v, c.context_window,
-                                                    layer=li, impl=impl)
+        o, ctx_k, ctx_v = attention.attention_block(
+            q, ctx_k, ctx_v, ctx_len, slots, k, v, c.context_window, layer=li, impl=impl
+        )
         x = x + dense(o.reshape(o.shape[:2] + (-1,)), a["o"])
         x = x + swiglu_mlp(layer["mlp"], rms_norm_plain(x, layer["post_norm"], c.rms_norm_eps))
     x = rms_norm_plain(x[:, 1:], p["norm"], c.rms_norm_eps)

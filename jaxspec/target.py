@@ -10,6 +10,7 @@ window's K/V but never the SSM checkpoint; commit advances cursors, folds and sl
 All three take the cache and return a new one (donate it under jit). `taps` is a static tuple of
 layer indices whose output hidden states are returned for the draft.
 """
+
 from functools import partial
 
 import jax
@@ -23,6 +24,7 @@ from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
 from jaxspec.ops.rope import apply_rope
 from jaxspec.weights import load_config, load_params, param_shapes
+
 
 @struct.dataclass
 class Target:
@@ -90,7 +92,7 @@ def _gdn_split(cfg, y):
     h, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     lead = y.shape[:-1]
     q, k, v = jnp.split(y, [h * kd, 2 * h * kd], axis=-1)
-    q = gdn.l2norm(q.reshape(lead + (h, kd))) * kd ** -0.5
+    q = gdn.l2norm(q.reshape(lead + (h, kd))) * kd**-0.5
     k = gdn.l2norm(k.reshape(lead + (h, kd)))
     return q, k, v.reshape(lead + (cfg.linear_num_value_heads, cfg.linear_value_head_dim))
 
@@ -182,9 +184,14 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
     for ai, (k, v) in enumerate(kv):
         k_cache = k_cache.at[(ai,) + at].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[(ai,) + at].set(v.astype(v_cache.dtype), mode="drop")
-    cache = cache.replace(ckpt=ckpt, conv_state=conv_state, k_cache=k_cache, v_cache=v_cache,
-                          write_pos=put(cache.write_pos, slots, jnp.zeros_like(slots)),
-                          seq_len=put(cache.seq_len, slots, lengths))
+    cache = cache.replace(
+        ckpt=ckpt,
+        conv_state=conv_state,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        write_pos=put(cache.write_pos, slots, jnp.zeros_like(slots)),
+        seq_len=put(cache.seq_len, slots, lengths),
+    )
     return logits, hidden, cache
 
 
@@ -231,12 +238,27 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
             def mixer(xn, p=p, gi=gi):
                 nonlocal ring_u
                 qkv, z, g, beta = _gdn_in(p, cfg, xn)
-                y, state["conv_window"] = conv.conv_verify(qkv, cache.conv_state, state["conv_window"], p["conv"],
-                                                           query_start_loc, slots, layer=gi, impl=impl)
+                y, state["conv_window"] = conv.conv_verify(
+                    qkv, cache.conv_state, state["conv_window"], p["conv"], query_start_loc, slots, layer=gi, impl=impl
+                )
                 q, k, v = _gdn_split(cfg, y)
                 o, state["ring_k"], ring_u, state["ring_g"] = gdn.gdn_verify(
-                    q, k, v, g, beta, cache.ckpt, state["ring_k"], ring_u, state["ring_g"], cache.write_pos,
-                    query_start_loc, slots, t_max, layer=gi, impl=impl)
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    cache.ckpt,
+                    state["ring_k"],
+                    ring_u,
+                    state["ring_g"],
+                    cache.write_pos,
+                    query_start_loc,
+                    slots,
+                    t_max,
+                    layer=gi,
+                    impl=impl,
+                )
                 return _gdn_out(p, cfg, o, z, xn.dtype)
 
             gi += 1
@@ -246,9 +268,19 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
             def mixer(xn, p=p, ai=ai):
                 q, gate, k, v = _attn_in(p, cfg, xn, positions)
                 state["k_cache"], state["v_cache"] = attention.kv_write(
-                    state["k_cache"], state["v_cache"], k, v, cache.seq_len, query_start_loc, slots, layer=ai)
-                o = attention.attention_verify(q, state["k_cache"], state["v_cache"], cache.seq_len,
-                                               query_start_loc, slots, t_max, layer=ai, impl=impl)
+                    state["k_cache"], state["v_cache"], k, v, cache.seq_len, query_start_loc, slots, layer=ai
+                )
+                o = attention.attention_verify(
+                    q,
+                    state["k_cache"],
+                    state["v_cache"],
+                    cache.seq_len,
+                    query_start_loc,
+                    slots,
+                    t_max,
+                    layer=ai,
+                    impl=impl,
+                )
                 return _attn_out(p, o, gate)
 
             ai += 1
@@ -278,6 +310,7 @@ def commit(cache: CacheState, slots, num_accepted, *, impl="auto"):
     num_records = jnp.where(fold, live, 0)
     ckpt = gdn.gdn_fold(cache.ckpt, cache.ring_k, cache.ring_u, cache.ring_g, num_records, impl=impl)
     conv_state = jax.vmap(lambda s, w: conv.conv_commit(s, w, slots, num_accepted, impl=impl))(
-        cache.conv_state, cache.conv_window)
+        cache.conv_state, cache.conv_window
+    )
     seq_len = cache.seq_len.at[jnp.where(real, slots, cache.seq_len.shape[0])].add(advance, mode="drop")
     return cache.replace(ckpt=ckpt, conv_state=conv_state, write_pos=jnp.where(fold, 0, live), seq_len=seq_len)

@@ -21,7 +21,7 @@ class HFTokenizer:
 
         try:
             self._tok = Tokenizer.from_file(os.fspath(path))
-        except Exception as e:                 # the tokenizers package raises a bare Exception
+        except Exception as e:  # the tokenizers package raises a bare Exception
             raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
 
     def encode(self, text: str) -> list[int]:

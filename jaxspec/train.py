@@ -33,6 +33,7 @@ Checkpoints are HF-layout directories (config.json + model.safetensors) that
 `jaxspec.load_target` / `jaxspec.load_draft` read, next to `metrics.json` (recipe, corpus, train
 and held-out curves, throughput) and `loss_curve.png`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,10 +54,10 @@ import optax
 from jaxspec import dflash
 from jaxspec.config import DraftConfig, TargetConfig
 from jaxspec.dflash import Draft, key_values
+from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import rms_norm_plain
 from jaxspec.ops.rope import apply_rope
-from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
-from jaxspec.target import Target, prefill_layers, init_target, lm_head
+from jaxspec.target import Target, init_target, lm_head, prefill_layers
 from jaxspec.weights import save_params
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -70,9 +71,26 @@ EVAL_SEED = 1234
 # Held out: these modules (single files or packages) and their tests. They exist in every
 # CPython 3.8+ standard library.
 HELD_OUT_MODULES = (
-    "argparse", "base64", "bisect", "calendar", "csv", "difflib", "fractions", "heapq", "json",
-    "pprint", "queue", "random", "shlex", "statistics", "string", "textwrap", "threading",
-    "uuid", "wave", "zipfile",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "csv",
+    "difflib",
+    "fractions",
+    "heapq",
+    "json",
+    "pprint",
+    "queue",
+    "random",
+    "shlex",
+    "statistics",
+    "string",
+    "textwrap",
+    "threading",
+    "uuid",
+    "wave",
+    "zipfile",
 )
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -93,7 +111,7 @@ def module_of(relpath: str) -> str:
     name = parts[0]
     if name == "test" and len(parts) > 1:
         name = parts[1]
-        name = name[len("test_"):] if name.startswith("test_") else name
+        name = name[len("test_") :] if name.startswith("test_") else name
     return name[:-3] if name.endswith(".py") else name
 
 
@@ -125,8 +143,8 @@ class Corpus:
 
     root: str
     files: list[str]
-    tokens: np.ndarray   # [N] uint16
-    sha256: str          # of the stream
+    tokens: np.ndarray  # [N] uint16
+    sha256: str  # of the stream
 
     @classmethod
     def from_files(cls, root, files) -> Corpus:
@@ -137,8 +155,7 @@ class Corpus:
                 parts.append(np.frombuffer(fh.read(), np.uint8).astype(np.uint16))
             parts.append(np.array([EOS_ID], np.uint16))
         tokens = np.concatenate(parts) if parts else np.zeros((0,), np.uint16)
-        return cls(root=root, files=list(files), tokens=tokens,
-                   sha256=hashlib.sha256(tokens.tobytes()).hexdigest())
+        return cls(root=root, files=list(files), tokens=tokens, sha256=hashlib.sha256(tokens.tobytes()).hexdigest())
 
     def sample(self, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
         """[batch, length] int32 windows at uniformly random offsets."""
@@ -158,26 +175,43 @@ def load_corpus(root: str | os.PathLike | None = None) -> tuple[Corpus, Corpus]:
     root = os.fspath(root or stdlib_root())
     train, held_out = corpus_files(root)
     if not train or not held_out:
-        raise ValueError(f"corpus root {root!r}: needs *.py files in both splits, found "
-                         f"{len(train)} train and {len(held_out)} held-out")
+        raise ValueError(
+            f"corpus root {root!r}: needs *.py files in both splits, found "
+            f"{len(train)} train and {len(held_out)} held-out"
+        )
     return Corpus.from_files(root, train), Corpus.from_files(root, held_out)
 
 
 def corpus_stats(train: Corpus, held_out: Corpus) -> dict:
-    return {"root": train.root, "python": sys.version.split()[0],
-            "held_out_modules": list(HELD_OUT_MODULES),
-            "train_files": len(train.files), "train_tokens": int(len(train.tokens)), "train_sha256": train.sha256,
-            "held_out_files": len(held_out.files), "held_out_tokens": int(len(held_out.tokens)),
-            "held_out_sha256": held_out.sha256}
+    return {
+        "root": train.root,
+        "python": sys.version.split()[0],
+        "held_out_modules": list(HELD_OUT_MODULES),
+        "train_files": len(train.files),
+        "train_tokens": int(len(train.tokens)),
+        "train_sha256": train.sha256,
+        "held_out_files": len(held_out.files),
+        "held_out_tokens": int(len(held_out.tokens)),
+        "held_out_sha256": held_out.sha256,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Default configs
 
 
-def tiny_target_config(hidden_size=256, num_hidden_layers=8, intermediate_size=None, full_attention_interval=4,
-                       head_dim=64, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
-                       linear_num_value_heads=6, max_position_embeddings=4096) -> TargetConfig:
+def tiny_target_config(
+    hidden_size=256,
+    num_hidden_layers=8,
+    intermediate_size=None,
+    full_attention_interval=4,
+    head_dim=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    max_position_embeddings=4096,
+) -> TargetConfig:
     """The shipped tiny target: a byte-level Qwen3.5-shaped GDN hybrid (text-only layout).
 
     Defaults: vocab VOCAB_SIZE (bytes + EOS + MASK + reserved), hidden 256, 8 layers with every
@@ -186,15 +220,30 @@ def tiny_target_config(hidden_size=256, num_hidden_layers=8, intermediate_size=N
     untied lm_head, EOS = EOS_ID. About 7.6M parameters.
     """
     return TargetConfig(
-        layout="qwen3_5_text", vocab_size=VOCAB_SIZE, hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 3 * hidden_size, num_hidden_layers=num_hidden_layers,
-        layer_types=tuple("full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
-                          for i in range(num_hidden_layers)),
-        rms_norm_eps=1e-6, num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim, rope_theta=10000.0, partial_rotary_factor=0.25, linear_num_key_heads=linear_num_key_heads,
-        linear_num_value_heads=linear_num_value_heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=max_position_embeddings,
-        eos_token_id=(EOS_ID,))
+        layout="qwen3_5_text",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+            for i in range(num_hidden_layers)
+        ),
+        rms_norm_eps=1e-6,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=(EOS_ID,),
+    )
 
 
 def default_taps(num_target_layers: int, num_taps: int = 3) -> tuple[int, ...]:
@@ -208,20 +257,34 @@ def default_taps(num_target_layers: int, num_taps: int = 3) -> tuple[int, ...]:
     return tuple(sorted({round(lo + (hi - lo) * i / (n - 1)) for i in range(n)}))
 
 
-def tiny_draft_config(target_config: TargetConfig, num_hidden_layers=2, block_size=8, target_layer_ids=None,
-                      intermediate_size=None, mask_token_id=None) -> DraftConfig:
+def tiny_draft_config(
+    target_config: TargetConfig,
+    num_hidden_layers=2,
+    block_size=8,
+    target_layer_ids=None,
+    intermediate_size=None,
+    mask_token_id=None,
+) -> DraftConfig:
     """The shipped tiny DFlash draft for `target_config`: its hidden size (shared embedding and
     lm_head), its attention head shapes, 2 layers, block 8, taps `default_taps`, mask MASK_ID."""
     t = target_config
     if mask_token_id is None:
         mask_token_id = MASK_ID if t.vocab_size > MASK_ID else t.vocab_size - 1
     return DraftConfig(
-        hidden_size=t.hidden_size, intermediate_size=intermediate_size or 3 * t.hidden_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
-        block_size=block_size, target_layer_ids=target_layer_ids or default_taps(t.num_hidden_layers),
-        mask_token_id=mask_token_id, target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
-        rope_theta=t.rope_theta)
+        hidden_size=t.hidden_size,
+        intermediate_size=intermediate_size or 3 * t.hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        block_size=block_size,
+        target_layer_ids=target_layer_ids or default_taps(t.num_hidden_layers),
+        mask_token_id=mask_token_id,
+        target_hidden_size=t.hidden_size,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,14 +319,15 @@ def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask):
     kvh = k_ctx.shape[2]
     f32 = jnp.float32
     qg = q.astype(f32).reshape(b, n, blk, kvh, hq // kvh, d)
-    scale = d ** -0.5
+    scale = d**-0.5
     s_ctx = jnp.einsum("bnqgrd,btgd->bngrqt", qg, k_ctx.astype(f32), precision=HIGHEST) * scale
     s_blk = jnp.einsum("bnqgrd,bnkgd->bngrqk", qg, k_blk.astype(f32), precision=HIGHEST) * scale
     s_ctx = jnp.where(ctx_mask[:, :, None, None, None, :], s_ctx, -jnp.inf)
     probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
     t = k_ctx.shape[1]
-    o = (jnp.einsum("bngrqt,btgd->bnqgrd", probs[..., :t], v_ctx.astype(f32), precision=HIGHEST)
-         + jnp.einsum("bngrqk,bnkgd->bnqgrd", probs[..., t:], v_blk.astype(f32), precision=HIGHEST))
+    o = jnp.einsum("bngrqt,btgd->bnqgrd", probs[..., :t], v_ctx.astype(f32), precision=HIGHEST) + jnp.einsum(
+        "bngrqk,bnkgd->bnqgrd", probs[..., t:], v_blk.astype(f32), precision=HIGHEST
+    )
     return o.reshape(b, n, blk, hq, d).astype(q.dtype)
 
 
@@ -280,15 +344,15 @@ def draft_block_logits(draft: Draft, target: Target, hidden, tokens, anchors):
     b, t = tokens.shape
     blk = c.block_size
     ctx = dense(hidden.reshape(b, t, -1).astype(p["fc"].dtype), p["fc"])
-    ctx = rms_norm_plain(ctx, p["hidden_norm"], c.rms_norm_eps)                          # [b, T, d]
+    ctx = rms_norm_plain(ctx, p["hidden_norm"], c.rms_norm_eps)  # [b, T, d]
     ctx_pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     offs = jnp.arange(blk)
-    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)                              # [b, N]
+    anchor_tok = jnp.take_along_axis(tokens, anchors, axis=1)  # [b, N]
     blk_tokens = jnp.where(offs == 0, anchor_tok[..., None], c.mask_token_id).astype(tokens.dtype)
-    x = target.params["embed"][blk_tokens].astype(p["fc"].dtype)                           # [b, N, B, d]
-    positions = anchors[..., None] + offs                                                  # [b, N, B]
+    x = target.params["embed"][blk_tokens].astype(p["fc"].dtype)  # [b, N, B, d]
+    positions = anchors[..., None] + offs  # [b, N, B]
     key_pos = jnp.arange(t)
-    ctx_mask = key_pos < anchors[..., None]                                                # [b, N, T]
+    ctx_mask = key_pos < anchors[..., None]  # [b, N, T]
     if c.context_window:
         ctx_mask &= key_pos >= anchors[..., None] - c.context_window
     for layer in p["layers"]:
@@ -326,7 +390,7 @@ def draft_loss(draft_params, draft_config, target, hidden, tokens, anchors, gamm
 
 def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block_size: int, num: int) -> np.ndarray:
     """[batch, num] int32 distinct anchors per row, uniform in [1, seq_len - block_size]."""
-    hi = seq_len - block_size                      # a + B - 1 <= T - 1
+    hi = seq_len - block_size  # a + B - 1 <= T - 1
     if num > hi:
         raise ValueError(f"anchors_per_seq={num}: at most seq_len - block_size = {hi} distinct anchors fit")
     return (np.argsort(rng.random((batch, hi)), axis=1)[:, :num] + 1).astype(np.int32)
@@ -339,8 +403,11 @@ def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block_siz
 def _optimizer(weight_decay, grad_clip, decay_mask):
     """AdamW without its learning rate: the step multiplies the update by -learning_rate(...), so the
     schedule can follow wall time under a time limit."""
-    return optax.chain(optax.clip_by_global_norm(grad_clip), optax.scale_by_adam(b1=0.9, b2=0.95),
-                       optax.add_decayed_weights(weight_decay, mask=decay_mask))
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.scale_by_adam(b1=0.9, b2=0.95),
+        optax.add_decayed_weights(weight_decay, mask=decay_mask),
+    )
 
 
 def learning_rate(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -356,9 +423,11 @@ def _apply(params, updates, lr):
 
 def _decay_mask(params, skip=("embed",)):
     """Weight decay on matrices only, never on norms, gates, biases or the embedding."""
+
     def keep(path, x):
         names = {getattr(k, "key", None) for k in path}
         return x.ndim >= 2 and not names & set(skip)
+
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -368,8 +437,11 @@ def check_out_dir(out_dir) -> None:
         if out_dir is not None and os.path.exists(out_dir):
             raise ValueError(f"out_dir={os.fspath(out_dir)!r}: exists and is not a directory")
         return
-    others = sorted(f for f in os.listdir(out_dir)
-                    if f == "model.safetensors.index.json" or (f.endswith(".safetensors") and f != "model.safetensors"))
+    others = sorted(
+        f
+        for f in os.listdir(out_dir)
+        if f == "model.safetensors.index.json" or (f.endswith(".safetensors") and f != "model.safetensors")
+    )
     if others:
         raise ValueError(f"out_dir={os.fspath(out_dir)!r}: already holds {others}; use a clean directory")
 
@@ -403,9 +475,10 @@ def _write_metrics(out_dir, metrics, title):
         json.dump(metrics, f, indent=2)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:       # plotting is an optional extra
+    except ImportError:  # plotting is an optional extra
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     if metrics["train"]:
@@ -424,6 +497,7 @@ def _write_metrics(out_dir, metrics, title):
 
 def _progress(total, enabled, desc):
     from tqdm.auto import tqdm
+
     return tqdm(total=total, disable=not enabled, desc=desc, unit="step", dynamic_ncols=True)
 
 
@@ -439,7 +513,7 @@ class _Clock:
         self.t0, self.excluded, self.steps, self.compile_s = None, 0.0, 0, float("nan")
 
     def first_step_done(self):
-        self.t0, self.excluded = self.now(), 0.0            # evaluations before this are not excluded
+        self.t0, self.excluded = self.now(), 0.0  # evaluations before this are not excluded
 
     def rate(self, tokens_per_step):
         """Tokens per second over the steps after the first; None before there are any."""
@@ -448,8 +522,25 @@ class _Clock:
         return self.steps * tokens_per_step / max(self.now() - self.t0 - self.excluded, 1e-9)
 
 
-def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_per_step, save_fn, progress, desc,
-          train_log, eval_log, time_limit=None, lr=1.0, warmup=0, now=time.perf_counter):
+def _loop(
+    *,
+    steps,
+    step_fn,
+    batch_fn,
+    eval_fn,
+    eval_every,
+    log_every,
+    tokens_per_step,
+    save_fn,
+    progress,
+    desc,
+    train_log,
+    eval_log,
+    time_limit=None,
+    lr=1.0,
+    warmup=0,
+    now=time.perf_counter,
+):
     """The shared training loop. step_fn(batch, learning_rate) -> (loss, grad_norm) device scalars,
     the rate from `learning_rate(step, progress, lr, warmup)`, progress the larger of step / steps
     and elapsed / time_limit (so under a time limit the cosine ends when the time does); eval_fn() ->
@@ -477,22 +568,31 @@ def _loop(*, steps, step_fn, batch_fn, eval_fn, eval_every, log_every, tokens_pe
         if step % log_every == 0 or last:
             losses, gnorms = np.asarray(jax.device_get(pending), np.float64).T
             pending = []
-            train_log.append({"step": step, "loss": float(losses.mean()), "grad_norm": float(gnorms.mean()), "lr": rate,
-                              "elapsed_s": round(now() - t_begin, 3)})
+            train_log.append(
+                {
+                    "step": step,
+                    "loss": float(losses.mean()),
+                    "grad_norm": float(gnorms.mean()),
+                    "lr": rate,
+                    "elapsed_s": round(now() - t_begin, 3),
+                }
+            )
             post = {"loss": f"{losses.mean():.3f}", "tok/s": f"{clock.rate(tokens_per_step) or 0:.3g}"}
             if last_eval is not None:
                 post["held_out"] = f"{last_eval['loss']:.3f}"
             bar.set_postfix(post, refresh=False)
         if (eval_every and step % eval_every == 0) or last:
-            jax.block_until_ready(pending)           # training steps in flight are not evaluation time
+            jax.block_until_ready(pending)  # training steps in flight are not evaluation time
             t_eval = now()
             last_eval = {"step": step, **eval_fn()}
             eval_log.append(last_eval)
             save_fn(step)
             clock.excluded += now() - t_eval
-            bar.write(f"step {step}: held-out " + ", ".join(
-                f"{k} {v:.4g}" for k, v in last_eval.items() if k != "step" and isinstance(v, float)),
-                file=sys.stderr)
+            bar.write(
+                f"step {step}: held-out "
+                + ", ".join(f"{k} {v:.4g}" for k, v in last_eval.items() if k != "step" and isinstance(v, float)),
+                file=sys.stderr,
+            )
         bar.update(1)
         if last:
             break
@@ -517,11 +617,28 @@ def _check_args(dtypes, **values):
 # Training entry points
 
 
-def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch: int = 32, seq_len: int = 512,
-                 lr: float = 2e-3, warmup: int = 100, weight_decay: float = 0.1, grad_clip: float = 1.0,
-                 out_dir=None, eval_every: int = 200, eval_batches: int = 8, log_every: int = 10, seed: int = 0,
-                 save_dtype: str = "float32", compute_dtype: str = "float32", corpus: tuple | None = None,
-                 corpus_root=None, progress: bool = True, time_limit: float | None = None):
+def train_target(
+    config: TargetConfig | None = None,
+    *,
+    steps: int = 2000,
+    batch: int = 32,
+    seq_len: int = 512,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    out_dir=None,
+    eval_every: int = 200,
+    eval_batches: int = 8,
+    log_every: int = 10,
+    seed: int = 0,
+    save_dtype: str = "float32",
+    compute_dtype: str = "float32",
+    corpus: tuple | None = None,
+    corpus_root=None,
+    progress: bool = True,
+    time_limit: float | None = None,
+):
     """Train a target from scratch on the corpus; returns (Target with float32 params, metrics dict).
 
     config: default `tiny_target_config()`. Windows of seq_len + 1 tokens give seq_len
@@ -536,8 +653,14 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     tokens_per_s (after the first step, evaluation excluded), compile_s (the first step), last_step.
     """
     config = config or tiny_target_config()
-    _check_args({"save_dtype": save_dtype, "compute_dtype": compute_dtype}, steps=steps, batch=batch,
-                seq_len=seq_len, eval_batches=eval_batches, log_every=log_every)
+    _check_args(
+        {"save_dtype": save_dtype, "compute_dtype": compute_dtype},
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        eval_batches=eval_batches,
+        log_every=log_every,
+    )
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len}: must be <= max_position_embeddings={config.max_position_embeddings}")
     if config.vocab_size < VOCAB_SIZE:
@@ -545,10 +668,22 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     check_out_dir(out_dir)
     compute = jnp.dtype(compute_dtype)
     train_corpus, held_out = corpus or load_corpus(corpus_root)
-    recipe = {"kind": "target", "steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "warmup": warmup,
-              "weight_decay": weight_decay, "grad_clip": grad_clip, "eval_every": eval_every,
-              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype,
-              "time_limit": time_limit}
+    recipe = {
+        "kind": "target",
+        "steps": steps,
+        "batch": batch,
+        "seq_len": seq_len,
+        "lr": lr,
+        "warmup": warmup,
+        "weight_decay": weight_decay,
+        "grad_clip": grad_clip,
+        "eval_every": eval_every,
+        "eval_batches": eval_batches,
+        "seed": seed,
+        "save_dtype": save_dtype,
+        "compute_dtype": compute_dtype,
+        "time_limit": time_limit,
+    }
 
     params = init_target(config, jax.random.PRNGKey(seed)).params
     tx = _optimizer(weight_decay, grad_clip, _decay_mask(params))
@@ -578,9 +713,15 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
         return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss / math.log(2)}
 
     train_log, eval_log = [], []
-    metrics = {"recipe": recipe, "config": config.to_hf(), "params": _n_params(params),
-               "corpus": corpus_stats(train_corpus, held_out), "device": str(jax.devices()[0]),
-               "train": train_log, "eval": eval_log}
+    metrics = {
+        "recipe": recipe,
+        "config": config.to_hf(),
+        "params": _n_params(params),
+        "corpus": corpus_stats(train_corpus, held_out),
+        "device": str(jax.devices()[0]),
+        "train": train_log,
+        "eval": eval_log,
+    }
     title = "tiny target (byte-level GDN hybrid)"
 
     def save_fn(step_no):
@@ -591,10 +732,23 @@ def train_target(config: TargetConfig | None = None, *, steps: int = 2000, batch
     def batch_fn():
         return jnp.asarray(train_corpus.sample(rng, batch, seq_len + 1))
 
-    clock = _loop(steps=steps, step_fn=step_fn, batch_fn=batch_fn, eval_fn=eval_fn, eval_every=eval_every,
-                  log_every=log_every, tokens_per_step=batch * seq_len, save_fn=save_fn, progress=progress,
-                  desc="train target", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
-                  lr=lr, warmup=warmup)
+    clock = _loop(
+        steps=steps,
+        step_fn=step_fn,
+        batch_fn=batch_fn,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        log_every=log_every,
+        tokens_per_step=batch * seq_len,
+        save_fn=save_fn,
+        progress=progress,
+        desc="train target",
+        train_log=train_log,
+        eval_log=eval_log,
+        time_limit=time_limit,
+        lr=lr,
+        warmup=warmup,
+    )
     metrics.update(tokens_per_s=clock.rate(batch * seq_len), compile_s=clock.compile_s, last_step=clock.last_step)
     if out_dir is not None:
         _write_metrics(out_dir, metrics, title)
@@ -614,23 +768,45 @@ def draft_eval_metrics(draft_params, draft_config, target, tokens, anchors, gamm
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     w = position_weights(blk, gamma)
     pred = jnp.argmax(logits, axis=-1)
-    correct = pred == labels                                                   # [b, N, B-1]
-    greedy = jnp.argmax(logits_t, axis=-1)                                     # target's next token at each position
-    idx = anchors[..., None] + jnp.arange(blk - 1)                             # prediction at a+k-1 is for a+k
+    correct = pred == labels  # [b, N, B-1]
+    greedy = jnp.argmax(logits_t, axis=-1)  # target's next token at each position
+    idx = anchors[..., None] + jnp.arange(blk - 1)  # prediction at a+k-1 is for a+k
     agree = pred == jnp.take_along_axis(greedy[:, None, :], idx, axis=2)
     run = lambda ok: 1.0 + jnp.mean(jnp.sum(jnp.cumprod(ok.astype(jnp.float32), axis=-1), axis=-1))
-    return {"loss": jnp.mean(jnp.sum(ce * w, axis=-1) / jnp.sum(w)),
-            "accuracy_per_position": jnp.mean(correct, axis=(0, 1)),
-            "accept_len_data": run(correct), "accept_len_target": run(agree)}
+    return {
+        "loss": jnp.mean(jnp.sum(ce * w, axis=-1) / jnp.sum(w)),
+        "accuracy_per_position": jnp.mean(correct, axis=(0, 1)),
+        "accept_len_data": run(correct),
+        "accept_len_target": run(agree),
+    }
 
 
-def train_draft(target: Target, draft_config: DraftConfig | None = None, *, steps: int = 2000, batch: int = 32,
-                seq_len: int = 512, anchors_per_seq: int = 16, gamma: float = 4.0, lr: float = 2e-3,
-                warmup: int = 100, weight_decay: float = 0.1, grad_clip: float = 1.0, out_dir=None,
-                eval_every: int = 200, eval_batches: int = 8, log_every: int = 10, seed: int = 0,
-                save_dtype: str = "float32", compute_dtype: str = "float32", corpus: tuple | None = None,
-                corpus_root=None, progress: bool = True, target_path: str | None = None,
-                time_limit: float | None = None):
+def train_draft(
+    target: Target,
+    draft_config: DraftConfig | None = None,
+    *,
+    steps: int = 2000,
+    batch: int = 32,
+    seq_len: int = 512,
+    anchors_per_seq: int = 16,
+    gamma: float = 4.0,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
+    out_dir=None,
+    eval_every: int = 200,
+    eval_batches: int = 8,
+    log_every: int = 10,
+    seed: int = 0,
+    save_dtype: str = "float32",
+    compute_dtype: str = "float32",
+    corpus: tuple | None = None,
+    corpus_root=None,
+    progress: bool = True,
+    target_path: str | None = None,
+    time_limit: float | None = None,
+):
     """Train a DFlash draft against the frozen `target`; returns (Draft with float32 params, metrics).
 
     draft_config: default `tiny_draft_config(target.config)`. Each step: windows [batch, seq_len],
@@ -642,29 +818,53 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
     tc = target.config
     draft_config = draft_config or tiny_draft_config(tc)
     c = draft_config
-    _check_args({"save_dtype": save_dtype, "compute_dtype": compute_dtype}, steps=steps, batch=batch,
-                seq_len=seq_len, anchors_per_seq=anchors_per_seq, eval_batches=eval_batches, log_every=log_every)
+    _check_args(
+        {"save_dtype": save_dtype, "compute_dtype": compute_dtype},
+        steps=steps,
+        batch=batch,
+        seq_len=seq_len,
+        anchors_per_seq=anchors_per_seq,
+        eval_batches=eval_batches,
+        log_every=log_every,
+    )
     if c.hidden_size != tc.hidden_size or c.vocab_size != tc.vocab_size or c.target_hidden_size != tc.hidden_size:
-        raise ValueError(f"DraftConfig hidden_size/vocab_size/target_hidden_size {c.hidden_size}/{c.vocab_size}/"
-                         f"{c.target_hidden_size} must match the target's {tc.hidden_size}/{tc.vocab_size}/"
-                         f"{tc.hidden_size} (shared embedding and lm_head)")
+        raise ValueError(
+            f"DraftConfig hidden_size/vocab_size/target_hidden_size {c.hidden_size}/{c.vocab_size}/"
+            f"{c.target_hidden_size} must match the target's {tc.hidden_size}/{tc.vocab_size}/"
+            f"{tc.hidden_size} (shared embedding and lm_head)"
+        )
     if max(c.target_layer_ids) >= tc.num_hidden_layers:
-        raise ValueError(f"DraftConfig.target_layer_ids={c.target_layer_ids}: the target has "
-                         f"{tc.num_hidden_layers} layers")
+        raise ValueError(
+            f"DraftConfig.target_layer_ids={c.target_layer_ids}: the target has {tc.num_hidden_layers} layers"
+        )
     if not gamma > 0:
         raise ValueError(f"gamma={gamma!r}: must be > 0")
     if seq_len > tc.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len}: must be <= max_position_embeddings={tc.max_position_embeddings}")
     rng = np.random.default_rng(seed)
-    sample_anchors(rng, 1, seq_len, c.block_size, anchors_per_seq)            # validates the counts early
+    sample_anchors(rng, 1, seq_len, c.block_size, anchors_per_seq)  # validates the counts early
     check_out_dir(out_dir)
     compute = jnp.dtype(compute_dtype)
     train_corpus, held_out = corpus or load_corpus(corpus_root)
-    recipe = {"kind": "draft", "target": target_path, "steps": steps, "batch": batch, "seq_len": seq_len,
-              "anchors_per_seq": anchors_per_seq, "gamma": gamma, "lr": lr, "warmup": warmup,
-              "weight_decay": weight_decay, "grad_clip": grad_clip, "eval_every": eval_every,
-              "eval_batches": eval_batches, "seed": seed, "save_dtype": save_dtype, "compute_dtype": compute_dtype,
-              "time_limit": time_limit}
+    recipe = {
+        "kind": "draft",
+        "target": target_path,
+        "steps": steps,
+        "batch": batch,
+        "seq_len": seq_len,
+        "anchors_per_seq": anchors_per_seq,
+        "gamma": gamma,
+        "lr": lr,
+        "warmup": warmup,
+        "weight_decay": weight_decay,
+        "grad_clip": grad_clip,
+        "eval_every": eval_every,
+        "eval_batches": eval_batches,
+        "seed": seed,
+        "save_dtype": save_dtype,
+        "compute_dtype": compute_dtype,
+        "time_limit": time_limit,
+    }
 
     frozen = Target(params=_cast(target.params, compute), config=tc)
     params = dflash.init_draft(c, jax.random.PRNGKey(seed)).params
@@ -682,11 +882,14 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
         return _apply(p, updates, rate), s, loss, optax.tree.norm(grads)
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    eval_step = jax.jit(lambda p, tgt, tokens, anchors: draft_eval_metrics(_cast(p, compute), c, tgt, tokens,
-                                                                           anchors, gamma))
+    eval_step = jax.jit(
+        lambda p, tgt, tokens, anchors: draft_eval_metrics(_cast(p, compute), c, tgt, tokens, anchors, gamma)
+    )
     eval_rng = np.random.default_rng(EVAL_SEED)
-    eval_set = [(jnp.asarray(b), jnp.asarray(sample_anchors(eval_rng, batch, seq_len, c.block_size, anchors_per_seq)))
-                for b in held_out.fixed_batches(eval_batches, batch, seq_len)]
+    eval_set = [
+        (jnp.asarray(b), jnp.asarray(sample_anchors(eval_rng, batch, seq_len, c.block_size, anchors_per_seq)))
+        for b in held_out.fixed_batches(eval_batches, batch, seq_len)
+    ]
     state = {"params": params, "opt": opt_state}
 
     def step_fn(data, rate):
@@ -700,14 +903,23 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
     def eval_fn():
         out = [jax.device_get(eval_step(state["params"], frozen, *b)) for b in eval_set]
         mean = {k: np.mean([o[k] for o in out], axis=0) for k in out[0]}
-        return {"loss": float(mean["loss"]), "accept_len_data": float(mean["accept_len_data"]),
-                "accept_len_target": float(mean["accept_len_target"]),
-                "accuracy_per_position": [round(float(x), 4) for x in mean["accuracy_per_position"]]}
+        return {
+            "loss": float(mean["loss"]),
+            "accept_len_data": float(mean["accept_len_data"]),
+            "accept_len_target": float(mean["accept_len_target"]),
+            "accuracy_per_position": [round(float(x), 4) for x in mean["accuracy_per_position"]],
+        }
 
     train_log, eval_log = [], []
-    metrics = {"recipe": recipe, "config": c.to_hf(), "params": _n_params(params),
-               "corpus": corpus_stats(train_corpus, held_out), "device": str(jax.devices()[0]),
-               "train": train_log, "eval": eval_log}
+    metrics = {
+        "recipe": recipe,
+        "config": c.to_hf(),
+        "params": _n_params(params),
+        "corpus": corpus_stats(train_corpus, held_out),
+        "device": str(jax.devices()[0]),
+        "train": train_log,
+        "eval": eval_log,
+    }
     title = f"DFlash draft (block {c.block_size}, taps {list(c.target_layer_ids)})"
 
     def save_fn(step_no):
@@ -715,13 +927,29 @@ def train_draft(target: Target, draft_config: DraftConfig | None = None, *, step
             save_draft_checkpoint(out_dir, state["params"], c, save_dtype)
             _write_metrics(out_dir, {**metrics, "last_step": step_no}, title)
 
-    clock = _loop(steps=steps, step_fn=step_fn, batch_fn=batch_fn, eval_fn=eval_fn, eval_every=eval_every,
-                  log_every=log_every, tokens_per_step=batch * seq_len, save_fn=save_fn, progress=progress,
-                  desc="train draft", train_log=train_log, eval_log=eval_log, time_limit=time_limit,
-                  lr=lr, warmup=warmup)
-    metrics.update(tokens_per_s=clock.rate(batch * seq_len),
-                   draft_positions_per_step=batch * anchors_per_seq * (c.block_size - 1),
-                   compile_s=clock.compile_s, last_step=clock.last_step)
+    clock = _loop(
+        steps=steps,
+        step_fn=step_fn,
+        batch_fn=batch_fn,
+        eval_fn=eval_fn,
+        eval_every=eval_every,
+        log_every=log_every,
+        tokens_per_step=batch * seq_len,
+        save_fn=save_fn,
+        progress=progress,
+        desc="train draft",
+        train_log=train_log,
+        eval_log=eval_log,
+        time_limit=time_limit,
+        lr=lr,
+        warmup=warmup,
+    )
+    metrics.update(
+        tokens_per_s=clock.rate(batch * seq_len),
+        draft_positions_per_step=batch * anchors_per_seq * (c.block_size - 1),
+        compile_s=clock.compile_s,
+        last_step=clock.last_step,
+    )
     if out_dir is not None:
         _write_metrics(out_dir, metrics, title)
     return Draft(params=state["params"], config=c), metrics

@@ -28,6 +28,7 @@ projections by key head: `in_proj_qkvz` [H*(2K + 2rV), d] holds, for key head h,
 (transformers' `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`); the loader splits them
 once into qkv / z / b / a and the writer fuses them back.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,23 +60,37 @@ def param_shapes(config: TargetConfig) -> dict:
     """The param pytree of `config` (module doc) with shape tuples as leaves."""
     c = config
     d, r_dim = c.hidden_size, c.linear_num_value_heads * c.linear_value_head_dim
-    hv, hq, kvh, hd = (c.linear_num_value_heads, c.num_attention_heads, c.num_key_value_heads,
-                       c.head_dim)
+    hv, hq, kvh, hd = (c.linear_num_value_heads, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     shapes = {"embed": (c.vocab_size, d), "norm": (d,), "layers": []}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (d, c.vocab_size)
     for kind in c.layer_types:
-        layer = {"input_norm": (d,), "post_norm": (d,),
-                 "mlp": {"gate": (d, c.intermediate_size), "up": (d, c.intermediate_size),
-                         "down": (c.intermediate_size, d)}}
+        layer = {
+            "input_norm": (d,),
+            "post_norm": (d,),
+            "mlp": {"gate": (d, c.intermediate_size), "up": (d, c.intermediate_size), "down": (c.intermediate_size, d)},
+        }
         if kind == "linear_attention":
-            layer["gdn"] = {"qkv": (d, c.conv_dim), "z": (d, r_dim), "b": (d, hv), "a": (d, hv),
-                            "conv": (c.conv_dim, c.linear_conv_kernel_dim), "A_log": (hv,),
-                            "dt_bias": (hv,), "norm": (c.linear_value_head_dim,),
-                            "out": (r_dim, d)}
+            layer["gdn"] = {
+                "qkv": (d, c.conv_dim),
+                "z": (d, r_dim),
+                "b": (d, hv),
+                "a": (d, hv),
+                "conv": (c.conv_dim, c.linear_conv_kernel_dim),
+                "A_log": (hv,),
+                "dt_bias": (hv,),
+                "norm": (c.linear_value_head_dim,),
+                "out": (r_dim, d),
+            }
         else:
-            layer["attn"] = {"q": (d, hq * 2 * hd), "k": (d, kvh * hd), "v": (d, kvh * hd),
-                             "o": (hq * hd, d), "q_norm": (hd,), "k_norm": (hd,)}
+            layer["attn"] = {
+                "q": (d, hq * 2 * hd),
+                "k": (d, kvh * hd),
+                "v": (d, kvh * hd),
+                "o": (hq * hd, d),
+                "q_norm": (hd,),
+                "k_norm": (hd,),
+            }
         shapes["layers"].append(layer)
     return shapes
 
@@ -89,22 +104,36 @@ def _tensor_map(config: TargetConfig) -> list[tuple[str, tuple, str]]:
     out = [(p + "embed_tokens.weight", ("embed",), _COPY), (p + "norm.weight", ("norm",), _COPY)]
     if not config.tie_word_embeddings:
         out.append(("lm_head.weight", ("lm_head",), _LINEAR))
-    gdn = [("in_proj_qkv.weight", "qkv", _LINEAR), ("in_proj_z.weight", "z", _LINEAR),
-           ("in_proj_b.weight", "b", _LINEAR), ("in_proj_a.weight", "a", _LINEAR)]
+    gdn = [
+        ("in_proj_qkv.weight", "qkv", _LINEAR),
+        ("in_proj_z.weight", "z", _LINEAR),
+        ("in_proj_b.weight", "b", _LINEAR),
+        ("in_proj_a.weight", "a", _LINEAR),
+    ]
     if config.layout == "qwen3_next":
         gdn = []
-    gdn += [("conv1d.weight", "conv", _CONV), ("A_log", "A_log", _COPY),
-            ("dt_bias", "dt_bias", _COPY), ("norm.weight", "norm", _COPY),
-            ("out_proj.weight", "out", _LINEAR)]
-    attn = [("q_proj.weight", "q", _LINEAR), ("k_proj.weight", "k", _LINEAR),
-            ("v_proj.weight", "v", _LINEAR), ("o_proj.weight", "o", _LINEAR),
-            ("q_norm.weight", "q_norm", _COPY), ("k_norm.weight", "k_norm", _COPY)]
+    gdn += [
+        ("conv1d.weight", "conv", _CONV),
+        ("A_log", "A_log", _COPY),
+        ("dt_bias", "dt_bias", _COPY),
+        ("norm.weight", "norm", _COPY),
+        ("out_proj.weight", "out", _LINEAR),
+    ]
+    attn = [
+        ("q_proj.weight", "q", _LINEAR),
+        ("k_proj.weight", "k", _LINEAR),
+        ("v_proj.weight", "v", _LINEAR),
+        ("o_proj.weight", "o", _LINEAR),
+        ("q_norm.weight", "q_norm", _COPY),
+        ("k_norm.weight", "k_norm", _COPY),
+    ]
     for i, kind in enumerate(config.layer_types):
         lp = f"{p}layers.{i}."
-        out += [(lp + "input_layernorm.weight", ("layers", i, "input_norm"), _COPY),
-                (lp + "post_attention_layernorm.weight", ("layers", i, "post_norm"), _COPY)]
-        out += [(f"{lp}mlp.{n}_proj.weight", ("layers", i, "mlp", n), _LINEAR)
-                for n in ("gate", "up", "down")]
+        out += [
+            (lp + "input_layernorm.weight", ("layers", i, "input_norm"), _COPY),
+            (lp + "post_attention_layernorm.weight", ("layers", i, "post_norm"), _COPY),
+        ]
+        out += [(f"{lp}mlp.{n}_proj.weight", ("layers", i, "mlp", n), _LINEAR) for n in ("gate", "up", "down")]
         if kind == "linear_attention":
             out += [(lp + "linear_attn." + n, ("layers", i, "gdn", k), rel) for n, k, rel in gdn]
         else:
@@ -156,8 +185,7 @@ class Checkpoint:
             with _open(full) as f:
                 for key in f.keys():
                     if key in self.file_of:
-                        raise ValueError(
-                            f"tensor {key!r} is in both {self.file_of[key]} and {full}")
+                        raise ValueError(f"tensor {key!r} is in both {self.file_of[key]} and {full}")
                     self.file_of[key] = full
 
     def read(self, name: str, shape: tuple) -> np.ndarray:
@@ -167,8 +195,7 @@ class Checkpoint:
         with _open(self.file_of[name]) as f:
             got = tuple(f.get_slice(name).get_shape())
             if got != tuple(shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
+                raise ValueError(f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
             try:
                 return f.get_tensor(name)
             except SafetensorError as e:
@@ -199,8 +226,10 @@ class FiniteCheck:
         bad = [n for n, ok in zip(self.names, jax.device_get(self.flags)) if not ok]
         if bad:
             more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-            raise ValueError(f"tensor {bad[0]!r} in {self.ckpt.file_of[bad[0]]} holds a non-finite value "
-                             f"({self.ckpt.first_non_finite(bad[0])}){more}: the checkpoint is corrupt")
+            raise ValueError(
+                f"tensor {bad[0]!r} in {self.ckpt.file_of[bad[0]]} holds a non-finite value "
+                f"({self.ckpt.first_non_finite(bad[0])}){more}: the checkpoint is corrupt"
+            )
 
 
 def _open(file):
@@ -232,18 +261,15 @@ def _check_dtype(dtype):
 
 def _split_qwen3_next(qkvz: np.ndarray, ba: np.ndarray, c: TargetConfig) -> dict:
     """Qwen3-Next's key-head-grouped in_proj_qkvz / in_proj_ba -> HF-oriented qkv, z, b, a."""
-    h, k, v, r = (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                  c.value_heads_per_key)
+    h, k, v, r = (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.value_heads_per_key)
     d = qkvz.shape[-1]
-    q_, k_, v_, z_ = np.split(qkvz.reshape(h, 2 * k + 2 * r * v, d), [k, 2 * k, 2 * k + r * v],
-                              axis=1)
+    q_, k_, v_, z_ = np.split(qkvz.reshape(h, 2 * k + 2 * r * v, d), [k, 2 * k, 2 * k + r * v], axis=1)
     b_, a_ = np.split(ba.reshape(h, 2 * r, d), [r], axis=1)
 
     def flat(x):  # [H, n, d] -> [H*n, d], key head major
         return x.reshape(-1, d)
 
-    return {"qkv": np.concatenate([flat(q_), flat(k_), flat(v_)]), "z": flat(z_), "b": flat(b_),
-            "a": flat(a_)}
+    return {"qkv": np.concatenate([flat(q_), flat(k_), flat(v_)]), "z": flat(z_), "b": flat(b_), "a": flat(a_)}
 
 
 def _fuse_qwen3_next(gdn: dict, c: TargetConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -287,13 +313,15 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
         put(name, keys, ckpt.read(name, _hf_shape(_get(shapes, keys), relation)), relation)
     if config.layout == "qwen3_next":
         c, d = config, config.hidden_size
-        qkvz_rows = c.linear_num_key_heads * (2 * c.linear_key_head_dim
-                                              + 2 * c.value_heads_per_key * c.linear_value_head_dim)
+        qkvz_rows = c.linear_num_key_heads * (
+            2 * c.linear_key_head_dim + 2 * c.value_heads_per_key * c.linear_value_head_dim
+        )
         for i in config.gdn_layers:
             lp = f"model.layers.{i}.linear_attn."
             qkvz, ba = lp + "in_proj_qkvz.weight", lp + "in_proj_ba.weight"
-            parts = _split_qwen3_next(ckpt.read(qkvz, (qkvz_rows, d)),
-                                      ckpt.read(ba, (2 * c.linear_num_value_heads, d)), c)
+            parts = _split_qwen3_next(
+                ckpt.read(qkvz, (qkvz_rows, d)), ckpt.read(ba, (2 * c.linear_num_value_heads, d)), c
+            )
             for k, x in parts.items():
                 put(ba if k in ("b", "a") else qkvz, ("layers", i, "gdn", k), x, _LINEAR)
     finite.check()
@@ -308,20 +336,19 @@ def save_params(path: str | os.PathLike, params: dict, config: TargetConfig) -> 
     ValueError if the pytree's keys or shapes differ from `param_shapes(config)`.
     """
     shapes = param_shapes(config)
-    want = dict(jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    want = dict(jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for keys in sorted(want.keys() ^ got.keys(), key=jax.tree_util.keystr):
         where = "missing from params" if keys in want else "not in the config's param tree"
         raise ValueError(f"params{jax.tree_util.keystr(keys)}: {where}")
     for keys, leaf in got.items():
         if tuple(leaf.shape) != want[keys]:
-            raise ValueError(f"params{jax.tree_util.keystr(keys)} has shape {tuple(leaf.shape)}, "
-                             f"the config needs {want[keys]}")
+            raise ValueError(
+                f"params{jax.tree_util.keystr(keys)} has shape {tuple(leaf.shape)}, the config needs {want[keys]}"
+            )
 
     os.makedirs(path, exist_ok=True)
-    others = [f for f in os.listdir(path)
-              if f == _INDEX or (f.endswith(".safetensors") and f != _WEIGHTS)]
+    others = [f for f in os.listdir(path) if f == _INDEX or (f.endswith(".safetensors") and f != _WEIGHTS)]
     if others:
         raise FileExistsError(f"{path} already holds {sorted(others)}; save into a clean directory")
 
@@ -336,8 +363,7 @@ def save_params(path: str | os.PathLike, params: dict, config: TargetConfig) -> 
         for i in config.gdn_layers:
             gdn = {k: hf(("layers", i, "gdn", k), _LINEAR) for k in ("qkv", "z", "b", "a")}
             lp = f"model.layers.{i}.linear_attn."
-            tensors[lp + "in_proj_qkvz.weight"], tensors[lp + "in_proj_ba.weight"] = (
-                _fuse_qwen3_next(gdn, config))
+            tensors[lp + "in_proj_qkvz.weight"], tensors[lp + "in_proj_ba.weight"] = _fuse_qwen3_next(gdn, config)
     save_file(tensors, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
     hf_config = config.to_hf()
     hf_config["dtype"] = str(jnp.dtype(params["embed"].dtype))

@@ -11,6 +11,7 @@ transformers' logits check the formulas).
 
 `random_target(layout, seed, path)` builds the random checkpoints the precision tests use.
 """
+
 import contextlib
 import types
 
@@ -69,8 +70,11 @@ def float64_call(fn, *args):
     are cast to float64, the results come back as float64 numpy arrays. Asserts that the traced
     computation holds no floating value of another dtype."""
     with float64_code():
-        cast = lambda x: (jnp.asarray(np.asarray(x, np.float64)) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-                          else jnp.asarray(x))
+        cast = lambda x: (
+            jnp.asarray(np.asarray(x, np.float64))
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+            else jnp.asarray(x)
+        )
         args = jax.tree_util.tree_map(cast, args)
         dtypes = _float_dtypes(jax.make_jaxpr(fn)(*args).jaxpr)
         assert dtypes <= {jnp.dtype(jnp.float64)}, f"the float64 evaluation computes in {sorted(map(str, dtypes))}"
@@ -90,12 +94,27 @@ def float64_logits(target: tgt.Target, ids) -> np.ndarray:
 def random_config(layout: str) -> TargetConfig:
     """8 layers (GDN, GDN, GDN, attention) x 2; GDN 2 key / 4 value heads of 32 / 24 dims."""
     return TargetConfig(
-        layout=layout, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        layout=layout,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
         layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
-        rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-        partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-        linear_value_head_dim=24, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-        max_position_embeddings=4096, eos_token_id=())
+        rms_norm_eps=1e-6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        eos_token_id=(),
+    )
 
 
 def extreme_gates(params: dict, config: TargetConfig, rng) -> dict:
@@ -126,4 +145,3 @@ def relative_error(got, want) -> np.ndarray:
     """Per position max|got - want| / max|want| (over the whole of want)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return np.abs(got - want).max(axis=-1) / np.abs(want).max()
-

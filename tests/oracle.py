@@ -3,6 +3,7 @@ docs/design.md section 3 and the ops contract (not from jaxspec code), plus comp
 
 Everything here is a plain loop in float64: slow, small, obviously correct.
 """
+
 import zlib
 
 import numpy as np
@@ -26,6 +27,7 @@ def sigmoid(x):
 
 # ------------------------------------------------------------------------------ norms, rope
 
+
 def rms_norm(x, weight, eps):
     x = f64(x)
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + f64(weight))
@@ -42,7 +44,7 @@ def rope(x, positions, rotary_dim, theta):
     x = f64(x)
     out = x.copy()
     half = rotary_dim // 2
-    pos = f64(positions)[..., None]                     # broadcast over heads
+    pos = f64(positions)[..., None]  # broadcast over heads
     for i in range(half):
         ang = pos * theta ** (-2.0 * i / rotary_dim)
         c, s = np.cos(ang), np.sin(ang)
@@ -53,6 +55,7 @@ def rope(x, positions, rotary_dim, theta):
 
 
 # ------------------------------------------------------------------------------ conv
+
 
 def causal_conv(x, weight, history=None):
     """Causal depthwise conv + SiLU over time. x [T, C], weight [C, W], history [W-1, C]
@@ -76,11 +79,12 @@ def last_inputs(seq, n):
     out = np.zeros((n,) + seq.shape[1:])
     m = min(n, seq.shape[0])
     if m:
-        out[n - m:] = seq[seq.shape[0] - m:]
+        out[n - m :] = seq[seq.shape[0] - m :]
     return out
 
 
 # ------------------------------------------------------------------------------ gated delta rule
+
 
 def gdn_recurrence(q, k, v, g, beta, h0):
     """The per-token gated delta rule in float64.
@@ -117,6 +121,7 @@ def gdn_fold(h0, rk, ru, rg, m):
 
 # ------------------------------------------------------------------------------ attention
 
+
 def attention(q, k, v, q_pos):
     """q [Tq, Hq, D], k, v [Tk, KVH, D]; query i attends to keys 0..q_pos[i] inclusive."""
     q, k, v = f64(q), f64(k), f64(v)
@@ -133,6 +138,7 @@ def attention(q, k, v, q_pos):
 
 
 # ------------------------------------------------------------------------------ helpers
+
 
 def seed_of(*case):
     """A reproducible seed for a test case: crc32 of its repr (Python's hash() of a str is salted
@@ -172,6 +178,7 @@ def check_verify_poison(args, clean, field, bad, fn, request, token):
     ring_u (an array or a tuple), ring_g). Outputs of earlier tokens and of other requests, and
     ring records of other slots and earlier tokens, equal `clean` (the same four, unpoisoned) bit
     for bit; the request's records before the token stay finite."""
+
     def as_np(out):
         o, rk, ru, rg = out
         ru = tuple(np.asarray(x) for x in ru) if isinstance(ru, (tuple, list)) else (np.asarray(ru),)
@@ -182,20 +189,22 @@ def check_verify_poison(args, clean, field, bad, fn, request, token):
     row = qsl[request] + token
     x = np.array(args[i])
     x[row] = bad
-    o, rk, ru, rg = as_np(fn(*args[:i], x, *args[i + 1:]))
+    o, rk, ru, rg = as_np(fn(*args[:i], x, *args[i + 1 :]))
     o0, rk0, ru0, rg0 = as_np(clean)
     ok_rows = np.ones(len(o), bool)
-    ok_rows[row:qsl[request + 1]] = False
+    ok_rows[row : qsl[request + 1]] = False
     assert np.all(np.isfinite(o[ok_rows]))
-    np.testing.assert_array_equal(bits(o[ok_rows]), bits(o0[ok_rows]),
-                                  "outputs before the poisoned token / of other requests")
+    np.testing.assert_array_equal(
+        bits(o[ok_rows]), bits(o0[ok_rows]), "outputs before the poisoned token / of other requests"
+    )
     s = slots[request]
-    ok_pos = np.ones(rg.shape[::2], bool)                          # [slots, ring positions]
-    ok_pos[s, write_pos[s] + token:] = False
+    ok_pos = np.ones(rg.shape[::2], bool)  # [slots, ring positions]
+    ok_pos[s, write_pos[s] + token :] = False
     for new, old, name in ((rk, rk0, "ring_k"), *((a, b, "ring_u") for a, b in zip(ru, ru0)), (rg, rg0, "ring_g")):
         sel = np.broadcast_to(ok_pos[:, None, :], new.shape[:3])
-        np.testing.assert_array_equal(bits(new)[sel], bits(old)[sel],
-                                      f"{name} records before the poisoned token / of other slots")
+        np.testing.assert_array_equal(
+            bits(new)[sel], bits(old)[sel], f"{name} records before the poisoned token / of other slots"
+        )
     before = slice(write_pos[s], write_pos[s] + token)
     for new, name in ((rk, "ring_k"), *((a, "ring_u") for a in ru), (rg, "ring_g")):
         assert np.all(np.isfinite(new[s, :, before])), f"{name} records before the poisoned token"

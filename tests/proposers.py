@@ -1,5 +1,6 @@
 """Test drafts: a random DFlash draft, and an oracle proposer that knows the target's greedy
 continuation (so every accepted length occurs)."""
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -33,7 +34,7 @@ class OracleProposer:
         rows = jnp.arange(slots.shape[0])
         seq = history[slots].at[rows, ctx_len].set(anchors)
 
-        def greedy_next(i, carry):                      # one cache-free forward per draft position
+        def greedy_next(i, carry):  # one cache-free forward per draft position
             seq, drafts, soft = carry
             length = ctx_len + 1 + i
             logits, *_ = target_mod.prefill_layers(self.target, seq, length, (), "ref")
@@ -48,15 +49,26 @@ class OracleProposer:
         if self.soft:
             return soft, history
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
-            slots, ctx_len)
-        where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)   # block-1 = none
+            slots, ctx_len
+        )
+        where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)  # block-1 = none
         bad = (drafts + 1 + jnp.arange(self.block_size - 1)[None, :]) % self.target.config.vocab_size
         drafts = jnp.where(jnp.arange(self.block_size - 1)[None, :] == where[:, None], bad, drafts)
         return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0, history
 
 
 def random_draft(model, block_size, seed=0):
-    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=model.config.vocab_size,
-                         block_size=block_size, target_layer_ids=(1, 3), mask_token_id=511, target_hidden_size=64)
+    config = DraftConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=model.config.vocab_size,
+        block_size=block_size,
+        target_layer_ids=(1, 3),
+        mask_token_id=511,
+        target_hidden_size=64,
+    )
     return dflash.init_draft(config, jax.random.PRNGKey(seed))

@@ -1,5 +1,6 @@
 """The command line: the documented flags, --json output, `info`, `profile`; every failure a user can
 cause is one line on stderr naming the argument and the file, exit status 2 (run as a subprocess)."""
+
 import json
 import os
 import shutil
@@ -23,9 +24,19 @@ FIXTURE = str(Path(__file__).parent / "fixtures" / "tiny-qwen3_5")
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
     target = jaxspec.load_target(FIXTURE)
-    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, block_size=4, target_layer_ids=(0, 2),
-                         mask_token_id=511, target_hidden_size=64)
+    config = DraftConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        block_size=4,
+        target_layer_ids=(0, 2),
+        mask_token_id=511,
+        target_hidden_size=64,
+    )
     draft = dflash.init_draft(config, jax.random.PRNGKey(3))
     path = tmp_path_factory.mktemp("draft")
     dflash.save_draft(path, draft)
@@ -39,8 +50,24 @@ def draft_dir(tmp_path_factory):
 def test_generate_json_static_equals_none(draft_dir, capsys):
     outs = {}
     for mode in ("none", "static"):
-        argv = ["generate", "--target", FIXTURE, "--draft", draft_dir, "--prompt", "def f(x):", "--prompt", "ab",
-                "--max-new-tokens", "6", "--verify-mode", mode, "--seed", "1", "--json"]
+        argv = [
+            "generate",
+            "--target",
+            FIXTURE,
+            "--draft",
+            draft_dir,
+            "--prompt",
+            "def f(x):",
+            "--prompt",
+            "ab",
+            "--max-new-tokens",
+            "6",
+            "--verify-mode",
+            mode,
+            "--seed",
+            "1",
+            "--json",
+        ]
         assert cli.main(argv) == 0
         outs[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for none, static in zip(outs["none"], outs["static"]):
@@ -49,13 +76,17 @@ def test_generate_json_static_equals_none(draft_dir, capsys):
         assert static["stats"]["accept_length"] >= 1.0 and isinstance(static["text"], str)
 
 
-@pytest.mark.parametrize("argv,argument", [
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--verify-mode", "fast"], "--verify-mode"),
-    (["--verify-mode", "static"], "--draft"),
-    (["--target", "/nonexistent"], "--target"),
-], ids=["max-new-tokens", "temperature", "mode", "missing-draft", "target"])
+@pytest.mark.parametrize(
+    "argv,argument",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--verify-mode", "fast"], "--verify-mode"),
+        (["--verify-mode", "static"], "--draft"),
+        (["--target", "/nonexistent"], "--target"),
+    ],
+    ids=["max-new-tokens", "temperature", "mode", "missing-draft", "target"],
+)
 def test_invalid_arguments_exit_2_naming_the_argument(argv, argument, capsys):
     base = ["generate", "--target", FIXTURE, "--prompt", "x", "--verify-mode", "none"]
     with pytest.raises(SystemExit) as exit_info:
@@ -81,15 +112,49 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
     from jaxspec.spec.planner import CostTable
 
     out = str(tmp_path / "costs.json")
-    assert cli.main(["profile", "--target", FIXTURE, "--draft", draft_dir, "--batches", "1,3", "--num-slots", "3",
-                     "--max-len", "64", "--repeats", "2", "--out", out]) == 0
+    assert (
+        cli.main(
+            [
+                "profile",
+                "--target",
+                FIXTURE,
+                "--draft",
+                draft_dir,
+                "--batches",
+                "1,3",
+                "--num-slots",
+                "3",
+                "--max-len",
+                "64",
+                "--repeats",
+                "2",
+                "--out",
+                out,
+            ]
+        )
+        == 0
+    )
     table = CostTable.load(out)
     assert {b for b, _ in table.entries} == {1, 3} and not table.is_trivial
     assert all(t > 0 for t in table.entries.values())
     progress = capsys.readouterr().err
-    assert f"{len(table.entries)}/{len(table.entries)}" in progress and "profile" in progress   # the tqdm bar
-    argv = ["generate", "--target", FIXTURE, "--draft", draft_dir, "--prompt", "ab", "--max-new-tokens", "5",
-            "--verify-mode", "compact", "--cost-table", out, "--json"]
+    assert f"{len(table.entries)}/{len(table.entries)}" in progress and "profile" in progress  # the tqdm bar
+    argv = [
+        "generate",
+        "--target",
+        FIXTURE,
+        "--draft",
+        draft_dir,
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "5",
+        "--verify-mode",
+        "compact",
+        "--cost-table",
+        out,
+        "--json",
+    ]
     assert cli.main(argv) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5
 
@@ -112,8 +177,9 @@ def test_overflowing_target_is_an_error_not_garbage(tmp_path, capsys):
 
 def _run(*argv):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "jaxspec.cli", *argv], capture_output=True, cwd=ROOT, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", *argv], capture_output=True, cwd=ROOT, env=env, timeout=300
+    )
 
 
 def _assert_one_line_error(proc, *needles):
@@ -133,12 +199,13 @@ def _edit_tensors(path, edit):
 def _set(name, value, at=(0, 0)):
     def edit(tensors):
         tensors[name][at] = value
+
     return edit
 
 
 def _truncate(path):
     data = (path / "model.safetensors").read_bytes()
-    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
 def _drop_config_field(field):
@@ -146,21 +213,28 @@ def _drop_config_field(field):
         config = json.loads((path / "config.json").read_text())
         del config[field]
         (path / "config.json").write_text(json.dumps(config))
+
     return edit
 
 
-TARGET_BREAKS = {   # id: (how the copy of the fixture is broken, what the one line must name)
-    "nan-weight": (lambda p: _edit_tensors(p, _set("model.layers.1.mlp.down_proj.weight", np.nan)),
-                   ["model.layers.1.mlp.down_proj.weight", "non-finite"]),
-    "inf-lm-head": (lambda p: _edit_tensors(p, _set("lm_head.weight", np.inf, (3, 5))),
-                    ["'lm_head.weight'", "inf at [3, 5]"]),
+TARGET_BREAKS = {  # id: (how the copy of the fixture is broken, what the one line must name)
+    "nan-weight": (
+        lambda p: _edit_tensors(p, _set("model.layers.1.mlp.down_proj.weight", np.nan)),
+        ["model.layers.1.mlp.down_proj.weight", "non-finite"],
+    ),
+    "inf-lm-head": (
+        lambda p: _edit_tensors(p, _set("lm_head.weight", np.inf, (3, 5))),
+        ["'lm_head.weight'", "inf at [3, 5]"],
+    ),
     "config-not-json": (lambda p: (p / "config.json").write_text("{not json"), ["config.json", "not valid JSON"]),
     "config-field": (_drop_config_field("vocab_size"), ["config.json", "vocab_size"]),
     "truncated": (_truncate, ["model.safetensors", "not a readable safetensors file"]),
     "no-safetensors": (lambda p: (p / "model.safetensors").unlink(), ["no *.safetensors"]),
     "missing-tensor": (lambda p: _edit_tensors(p, lambda t: t.pop("model.norm.weight")), ["'model.norm.weight'"]),
-    "wrong-shape": (lambda p: _edit_tensors(p, lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:-1]})),
-                    ["'model.norm.weight'", "(63,)"]),
+    "wrong-shape": (
+        lambda p: _edit_tensors(p, lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:-1]})),
+        ["'model.norm.weight'", "(63,)"],
+    ),
 }
 
 
@@ -170,8 +244,11 @@ def test_broken_target_is_one_line_naming_it(case, tmp_path):
     shutil.copytree(FIXTURE, target)
     breaks, needles = TARGET_BREAKS[case]
     breaks(target)
-    _assert_one_line_error(_run("generate", "--target", str(target), "--prompt", "ab", "--verify-mode", "none"),
-                           "argument --target:", *needles)
+    _assert_one_line_error(
+        _run("generate", "--target", str(target), "--prompt", "ab", "--verify-mode", "none"),
+        "argument --target:",
+        *needles,
+    )
 
 
 @pytest.mark.parametrize("case", ["hidden-size", "nan-weight"])
@@ -185,8 +262,9 @@ def test_broken_draft_is_one_line_naming_it(case, draft_dir, tmp_path):
     else:
         _edit_tensors(draft, _set("layers.0.mlp.down_proj.weight", np.nan))
         needles = ["'layers.0.mlp.down_proj.weight'", "non-finite"]
-    _assert_one_line_error(_run("generate", "--target", FIXTURE, "--draft", str(draft), "--prompt", "ab"),
-                           "argument --draft:", *needles)
+    _assert_one_line_error(
+        _run("generate", "--target", FIXTURE, "--draft", str(draft), "--prompt", "ab"), "argument --draft:", *needles
+    )
 
 
 def test_bad_arguments_are_one_line_naming_them(draft_dir, tmp_path):
@@ -195,18 +273,26 @@ def test_bad_arguments_are_one_line_naming_them(draft_dir, tmp_path):
     gen = ["generate", "--target", FIXTURE, "--verify-mode", "none"]
     cases = [
         (gen + ["--prompt", os.fsdecode(b"ab\xff")], ["argument --prompt:", "prompt 0", "UTF-8"]),
-        (gen + ["--prompt", "ab", "--cost-table", str(tmp_path / "costs.json")],
-         ["argument --cost-table:", "costs.json", "not a cost table"]),
+        (
+            gen + ["--prompt", "ab", "--cost-table", str(tmp_path / "costs.json")],
+            ["argument --cost-table:", "costs.json", "not a cost table"],
+        ),
         (gen + ["--prompt", "ab", "--top-k", "-1"], ["argument --top-k:"]),
         (gen + ["--prompt", "ab", "--top-p", "2"], ["argument --top-p:"]),
-        (gen + ["--prompt", "ab", "--prompt", "x" * 60, "--max-new-tokens", "40", "--max-len", "96"],
-         ["argument --max-new-tokens:", "prompt 1", "--max-len 96"]),
+        (
+            gen + ["--prompt", "ab", "--prompt", "x" * 60, "--max-new-tokens", "40", "--max-len", "96"],
+            ["argument --max-new-tokens:", "prompt 1", "--max-len 96"],
+        ),
         (["info", "/nonexistent"], ["argument path:", "/nonexistent"]),
-        (["profile", "--target", FIXTURE, "--draft", draft_dir, "--out", "/nonexistent/dir/costs.json"],
-         ["argument --out:", "/nonexistent/dir"]),
+        (
+            ["profile", "--target", FIXTURE, "--draft", draft_dir, "--out", "/nonexistent/dir/costs.json"],
+            ["argument --out:", "/nonexistent/dir"],
+        ),
         (["train", "target", "--out", str(tmp_path / "a-file" / "run")], ["argument --out:", "a-file"]),
-        (["estimator", str(tmp_path / "trace.npz"), "--plot", "/nonexistent/dir/plot.png"],
-         ["argument --plot:", "/nonexistent/dir"]),
+        (
+            ["estimator", str(tmp_path / "trace.npz"), "--plot", "/nonexistent/dir/plot.png"],
+            ["argument --plot:", "/nonexistent/dir"],
+        ),
     ]
     for argv, needles in cases:
         _assert_one_line_error(_run(*argv), *needles)

@@ -100,12 +100,22 @@ def test_propose_matches_uncached_float64_forward(window, impl):
 
 def test_non_finite_draft_tensor_is_refused_by_name(tmp_path):
     target = jaxspec.load_target(FIXTURE)
-    config = DraftConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, block_size=4, target_layer_ids=(0, 2),
-                         mask_token_id=511, target_hidden_size=64)
+    config = DraftConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        block_size=4,
+        target_layer_ids=(0, 2),
+        mask_token_id=511,
+        target_hidden_size=64,
+    )
     draft = dflash.init_draft(config, jax.random.PRNGKey(0))
     layer = draft.params["layers"][0]
-    layer["attn"]["o"] = layer["attn"]["o"].at[2, 7].set(jnp.nan)          # HF o_proj [out, in]: [7, 2]
+    layer["attn"]["o"] = layer["attn"]["o"].at[2, 7].set(jnp.nan)  # HF o_proj [out, in]: [7, 2]
     dflash.save_draft(tmp_path, draft)
     with pytest.raises(ValueError, match=r"'layers\.0\.self_attn\.o_proj\.weight' in .* \(nan at \[7, 2\]\)"):
         dflash.load_draft(tmp_path, target)

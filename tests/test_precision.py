@@ -3,14 +3,15 @@ GDN gates: the model's logits in the three HF layouts, and the GDN references th
 prefill, replay verify with its fold). Each reference forms a decay e^{G_i - G_j} from the sum of its
 own gates (`gdn._log_decays`, `gdn._suffix_sums`); the controls put the cumsum difference back and
 must fail the same bars."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 import pytest
+from float64 import float64_call, float64_logits, random_target, relative_error
 
 import jaxspec
-import oracle
-from float64 import float64_call, float64_logits, random_target, relative_error
 from jaxspec.config import LAYOUTS
 from jaxspec.ops import gdn
 
@@ -31,10 +32,16 @@ def _keys(rng, shape):
 
 def _prefill_case(seed):
     rng = np.random.default_rng(seed)
-    q = _keys(rng, (B, T, H, K)) * np.float32(K ** -0.5)
+    q = _keys(rng, (B, T, H, K)) * np.float32(K**-0.5)
     beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV))))).astype(np.float32)
-    return (q, _keys(rng, (B, T, H, K)), rng.standard_normal((B, T, HV, V)).astype(np.float32),
-            _gates(rng, (B, T, HV)), beta, (0.3 * rng.standard_normal((B, HV, K, V))).astype(np.float32))
+    return (
+        q,
+        _keys(rng, (B, T, H, K)),
+        rng.standard_normal((B, T, HV, V)).astype(np.float32),
+        _gates(rng, (B, T, HV)),
+        beta,
+        (0.3 * rng.standard_normal((B, HV, K, V))).astype(np.float32),
+    )
 
 
 def _verify_case(seed):
@@ -42,13 +49,23 @@ def _verify_case(seed):
     rng = np.random.default_rng(seed)
     lengths, slots, write_pos = [16, 5, 11], [2, 1, 3], [0, 12, 16, 0]
     n = sum(lengths)
-    q = _keys(rng, (n, H, K)) * np.float32(K ** -0.5)
+    q = _keys(rng, (n, H, K)) * np.float32(K**-0.5)
     beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((n, HV))))).astype(np.float32)
     ring_g = np.moveaxis(_gates(rng, (4, RING, HV)), 2, 1)
-    return (q, _keys(rng, (n, H, K)), rng.standard_normal((n, HV, V)).astype(np.float32), _gates(rng, (n, HV)), beta,
-            (0.3 * rng.standard_normal((4, HV, K, V))).astype(np.float32), np.moveaxis(_keys(rng, (4, RING, H, K)), 2, 1),
-            (0.3 * rng.standard_normal((4, HV, RING, V))).astype(np.float32), ring_g,
-            np.array(write_pos, np.int32), oracle.qsl_from_lengths(lengths), np.array(slots, np.int32))
+    return (
+        q,
+        _keys(rng, (n, H, K)),
+        rng.standard_normal((n, HV, V)).astype(np.float32),
+        _gates(rng, (n, HV)),
+        beta,
+        (0.3 * rng.standard_normal((4, HV, K, V))).astype(np.float32),
+        np.moveaxis(_keys(rng, (4, RING, H, K)), 2, 1),
+        (0.3 * rng.standard_normal((4, HV, RING, V))).astype(np.float32),
+        ring_g,
+        np.array(write_pos, np.int32),
+        oracle.qsl_from_lengths(lengths),
+        np.array(slots, np.int32),
+    )
 
 
 def _prefill(q, k, v, g, beta, h0):
@@ -120,7 +137,7 @@ def test_controls_cumsum_difference_fails(monkeypatch):
     """The decays as G_i - G_j of the cumsum (and the fold's suffix as G_m - G_j) fail the bars."""
     monkeypatch.setattr(gdn, "_log_decays", _naive_log_decays)
     monkeypatch.setattr(gdn, "_suffix_sums", _naive_suffix_sums)
-    jax.clear_caches()                        # scan bodies are traced once per function: retrace them
+    jax.clear_caches()  # scan bodies are traced once per function: retrace them
     try:
         assert _error(_prefill, _prefill_case(oracle.seed_of("prefill", 0))) > PREFILL_BAR
         assert max(_error(_verify, _verify_case(oracle.seed_of("verify", s))) for s in range(2)) > VERIFY_BAR

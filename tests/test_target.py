@@ -1,4 +1,5 @@
 """The target model: HF parity on the shipped fixture, prefill/verify consistency, the public API."""
+
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def _prefill(model, seqs, slots, cache_cfg, taps=()):
     width = max(len(s) for s in seqs)
     tokens = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
-        tokens[i, :len(s)] = s
+        tokens[i, : len(s)] = s
     lengths = jnp.array([len(s) for s in seqs], jnp.int32)
     return tgt.prefill(model, state, jnp.asarray(tokens), lengths, jnp.asarray(slots, jnp.int32), taps)
 
@@ -52,7 +53,7 @@ def test_ragged_prefill_matches_single_sequences(model):
     assert hidden.shape == (3, 67, 2, model.config.hidden_size)
     for i, s in enumerate(seqs):
         want = np.asarray(jaxspec.target_logits(model, s))
-        err = np.abs(np.asarray(logits[i, :len(s)]) - want).max() / np.abs(want).max()
+        err = np.abs(np.asarray(logits[i, : len(s)]) - want).max() / np.abs(want).max()
         # float32 both ways, but other batch shapes (XLA CPU tiles the dots differently): 1.5e-5
         # on this AMD EPYC host, within 1e-5 on the earlier CI hosts
         assert err <= 3e-5, f"sequence {i}: {err:.3g}"
@@ -79,19 +80,19 @@ def test_verify_after_prefill_equals_whole_prefill(model, ring_dtype):
         tokens = np.zeros(20, np.int32)
         qsl = np.concatenate([[0], np.cumsum(lengths), [sum(lengths)]]).astype(np.int32)
         for i, w in enumerate(windows):
-            tokens[qsl[i]:qsl[i + 1]] = w
-        slots = jnp.array([2, 3, 1, 0], jnp.int32)   # the last request is padding
+            tokens[qsl[i] : qsl[i + 1]] = w
+        slots = jnp.array([2, 3, 1, 0], jnp.int32)  # the last request is padding
         logits, _, state = verify(model, state, jnp.asarray(tokens), jnp.asarray(qsl), slots)
         for i, w in enumerate(windows):
-            want = np.asarray(jaxspec.target_logits(model, np.concatenate([history[i], w])))[len(history[i]):]
-            got = np.asarray(logits[qsl[i]:qsl[i + 1]])
+            want = np.asarray(jaxspec.target_logits(model, np.concatenate([history[i], w])))[len(history[i]) :]
+            got = np.asarray(logits[qsl[i] : qsl[i + 1]])
             err = np.abs(got - want).max() / np.abs(want).max()
             tol = 2e-5 if ring_dtype == "float32" else 1e-4
             assert err <= tol, f"step {step} request {i}: {err:.3g}"
         num_accepted = [min(accepted[i], lengths[i] - 1) for i in range(3)] + [0]
         state = commit(state, slots, jnp.array(num_accepted, jnp.int32))
         for i, w in enumerate(windows):
-            history[i] += list(w[:num_accepted[i] + 1])
+            history[i] += list(w[: num_accepted[i] + 1])
         assert state.seq_len.tolist()[1:] == [len(history[2]), len(history[0]), len(history[1])]
 
 
@@ -104,10 +105,16 @@ def test_verify_commit_with_kernels_equals_reference(model, fold_policy, ring_dt
     rng = np.random.default_rng(5)
     vocab = model.config.vocab_size
     prompts = [rng.integers(0, vocab, n) for n in (30, 13, 41)]
-    cfg = CacheConfig(num_slots=3, max_len=80, window=7, fold_policy=fold_policy, ring_dtype=ring_dtype,
-                      ring_len=16 if fold_policy == "every" else 32)
+    cfg = CacheConfig(
+        num_slots=3,
+        max_len=80,
+        window=7,
+        fold_policy=fold_policy,
+        ring_dtype=ring_dtype,
+        ring_len=16 if fold_policy == "every" else 32,
+    )
     _, _, state0 = _prefill(model, prompts, [2, 3, 1], cfg)
-    slots = jnp.array([2, 3, 1, 0], jnp.int32)                  # the last request is padding
+    slots = jnp.array([2, 3, 1, 0], jnp.int32)  # the last request is padding
     states = {}
     outs = {}
     for impl in ("ref", "pallas"):
@@ -118,10 +125,10 @@ def test_verify_commit_with_kernels_equals_reference(model, fold_policy, ring_dt
         for lengths, accepted in (([5, 1, 7], [4, 0, 6, 0]), ([7, 3, 2], [2, 2, 1, 0])):
             tokens = np.zeros(20, np.int32)
             qsl = np.concatenate([[0], np.cumsum(lengths), [sum(lengths)]]).astype(np.int32)
-            tokens[:qsl[-1]] = step_rng.integers(0, vocab, qsl[-1])
+            tokens[: qsl[-1]] = step_rng.integers(0, vocab, qsl[-1])
             logits, hidden, state = verify(model, state, jnp.asarray(tokens), jnp.asarray(qsl), slots)
             state = commit(state, slots, jnp.array(accepted, jnp.int32))
-            outs[impl].append((np.asarray(logits[:qsl[-1]]), np.asarray(hidden[:qsl[-1]])))
+            outs[impl].append((np.asarray(logits[: qsl[-1]]), np.asarray(hidden[: qsl[-1]])))
         states[impl] = state
     # measured on this fixture (2026-12-04): logits 2.9e-4 and hidden 2.4e-4 of their max (the GDN
     # verify kernel alone: its float32 dots are three bf16 products, ~2^-16 relative each, through
@@ -134,5 +141,6 @@ def test_verify_commit_with_kernels_equals_reference(model, fold_policy, ring_dt
         ref, ker = (np.asarray(getattr(states[i], name)[:, 1:]).astype(np.float32) for i in ("ref", "pallas"))
         assert np.abs(ker - ref).max() <= tol * np.abs(ref).max(), name
     for name in ("write_pos", "seq_len"):
-        np.testing.assert_array_equal(np.asarray(getattr(states["pallas"], name)),
-                                      np.asarray(getattr(states["ref"], name)), name)
+        np.testing.assert_array_equal(
+            np.asarray(getattr(states["pallas"], name)), np.asarray(getattr(states["ref"], name)), name
+        )

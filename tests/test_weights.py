@@ -29,8 +29,11 @@ def hf_tensors() -> dict:
 
 def random_params(config, dtype, seed=0):
     rng = np.random.default_rng(seed)
-    return jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s), dtype),
-                                  param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree_util.tree_map(
+        lambda s: jnp.asarray(rng.standard_normal(s), dtype),
+        param_shapes(config),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def assert_same(a, b):
@@ -38,8 +41,9 @@ def assert_same(a, b):
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b)):
         assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
-        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8),
-                                      err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(
+            np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8), err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def write_checkpoint(path: Path, tensors: dict, config: dict):
@@ -61,12 +65,16 @@ def fuse_qwen3_next(tensors: dict, config: TargetConfig) -> dict:
         p = f"model.layers.{i}.linear_attn."
         qkv, z = out.pop(p + "in_proj_qkv.weight"), out.pop(p + "in_proj_z.weight")
         b, a = out.pop(p + "in_proj_b.weight"), out.pop(p + "in_proj_a.weight")
-        q, k, v = qkv[:H * K], qkv[H * K:2 * H * K], qkv[2 * H * K:]
+        q, k, v = qkv[: H * K], qkv[H * K : 2 * H * K], qkv[2 * H * K :]
         qkvz_rows, ba_rows = [], []
         for h in range(H):
-            qkvz_rows += [q[h * K:(h + 1) * K], k[h * K:(h + 1) * K],
-                          v[h * r * V:(h + 1) * r * V], z[h * r * V:(h + 1) * r * V]]
-            ba_rows += [b[h * r:(h + 1) * r], a[h * r:(h + 1) * r]]
+            qkvz_rows += [
+                q[h * K : (h + 1) * K],
+                k[h * K : (h + 1) * K],
+                v[h * r * V : (h + 1) * r * V],
+                z[h * r * V : (h + 1) * r * V],
+            ]
+            ba_rows += [b[h * r : (h + 1) * r], a[h * r : (h + 1) * r]]
         out[p + "in_proj_qkvz.weight"] = np.concatenate(qkvz_rows)
         out[p + "in_proj_ba.weight"] = np.concatenate(ba_rows)
     return out
@@ -85,8 +93,9 @@ def test_fixture_loads(tiny, hf_tensors):
     np.testing.assert_array_equal(gdn["qkv"], hf_tensors["model.layers.0.linear_attn.in_proj_qkv.weight"].T)
     np.testing.assert_array_equal(gdn["conv"], hf_tensors["model.layers.0.linear_attn.conv1d.weight"][:, 0])
     np.testing.assert_array_equal(params["lm_head"], hf_tensors["lm_head.weight"].T)
-    np.testing.assert_array_equal(params["layers"][1]["mlp"]["down"],
-                                  hf_tensors["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(
+        params["layers"][1]["mlp"]["down"], hf_tensors["model.layers.1.mlp.down_proj.weight"].T
+    )
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     bf16 = load_params(FIXTURE, tiny, dtype=jnp.bfloat16)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(bf16))
@@ -103,8 +112,11 @@ def test_save_load_round_trip(tiny, tmp_path, layout, dtype):
 
 
 def test_tied_round_trip_and_loading_ignores_lm_head(tiny, tmp_path):
-    config = dataclasses.replace(tiny, tie_word_embeddings=True, layer_types=(
-        "full_attention", "linear_attention", "full_attention", "linear_attention"))
+    config = dataclasses.replace(
+        tiny,
+        tie_word_embeddings=True,
+        layer_types=("full_attention", "linear_attention", "full_attention", "linear_attention"),
+    )
     params = random_params(config, jnp.float32)
     assert "lm_head" not in params
     save_params(tmp_path, params, config)
@@ -130,15 +142,25 @@ def test_qwen3_next_checkpoint_matches_unfused(tiny, tmp_path):
 
 
 def test_released_layout_loads(tiny, hf_tensors, tmp_path):
-    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-               for k, v in hf_tensors.items()}
+    tensors = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+        for k, v in hf_tensors.items()
+    }
     tensors["model.visual.x"] = np.ones((3, 5), np.float32)
     tensors["mtp.fc.weight"] = np.ones((2, 2), np.float32)
     text = json.loads((FIXTURE / "config.json").read_text())
     del text["architectures"]
-    write_checkpoint(tmp_path, tensors, {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "tie_word_embeddings": False, "vision_config": {"depth": 2}, "text_config": text})
+    write_checkpoint(
+        tmp_path,
+        tensors,
+        {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": False,
+            "vision_config": {"depth": 2},
+            "text_config": text,
+        },
+    )
     config = load_config(tmp_path)
     assert config == dataclasses.replace(tiny, layout="qwen3_5")
     assert_same(load_params(tmp_path, config), load_params(FIXTURE, tiny))
@@ -146,8 +168,7 @@ def test_released_layout_loads(tiny, hf_tensors, tmp_path):
 
 def test_sharded_checkpoint_loads(tiny, hf_tensors, tmp_path):
     names = sorted(hf_tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2],
-              "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
     for file, keys in shards.items():
         save_file({k: hf_tensors[k] for k in keys}, tmp_path / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -202,17 +223,21 @@ def test_unsupported_dtype(tiny):
         load_params(FIXTURE, tiny, jnp.float16)
 
 
-@pytest.mark.parametrize("dtype,value,leaf,name,where", [
-    ("bf16", np.nan, ("layers", 1, "mlp", "down"), "model.layers.1.mlp.down_proj.weight", "nan at [0, 0]"),
-    ("f32", np.inf, ("lm_head",), "lm_head.weight", "inf at [0, 0]"),
-    ("f32", -np.inf, ("layers", 0, "gdn", "A_log"), "model.layers.0.linear_attn.A_log", "-inf at [0]"),
-], ids=["bf16-nan", "f32-inf", "f32-neg-inf"])
+@pytest.mark.parametrize(
+    "dtype,value,leaf,name,where",
+    [
+        ("bf16", np.nan, ("layers", 1, "mlp", "down"), "model.layers.1.mlp.down_proj.weight", "nan at [0, 0]"),
+        ("f32", np.inf, ("lm_head",), "lm_head.weight", "inf at [0, 0]"),
+        ("f32", -np.inf, ("layers", 0, "gdn", "A_log"), "model.layers.0.linear_attn.A_log", "-inf at [0]"),
+    ],
+    ids=["bf16-nan", "f32-inf", "f32-neg-inf"],
+)
 def test_non_finite_tensor_is_refused_by_name(tiny, tmp_path, dtype, value, leaf, name, where):
     params = random_params(tiny, DTYPES[dtype], seed=3)
     parent = params
     for k in leaf[:-1]:
         parent = parent[k]
-    parent[leaf[-1]] = parent[leaf[-1]].at[(0,) * parent[leaf[-1]].ndim].set(value)   # HF element 0 too
+    parent[leaf[-1]] = parent[leaf[-1]].at[(0,) * parent[leaf[-1]].ndim].set(value)  # HF element 0 too
     save_params(tmp_path, params, tiny)
     message = f"'{name}' in {tmp_path / 'model.safetensors'} holds a non-finite value ({where})"
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -231,7 +256,7 @@ def test_non_finite_fused_tensor_is_named(tiny, tmp_path):
 def test_unreadable_files_are_named(tiny, tmp_path):
     shutil.copytree(FIXTURE, tmp_path / "cut")
     data = (tmp_path / "cut" / "model.safetensors").read_bytes()
-    (tmp_path / "cut" / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"cut/model\.safetensors: not a readable safetensors file"):
         load_params(tmp_path / "cut", tiny)
     shutil.copytree(FIXTURE, tmp_path / "index")

@@ -5,6 +5,7 @@ KV cache per layer [S1, max_len, KVH, D]; a slot holds positions 0..seq_len-1 of
 a verify window's K/V are written at seq_len + t before attention reads them. Rejected window
 tokens leave garbage past seq_len that later windows overwrite; seq_len decides what is read.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -51,8 +52,10 @@ def kv_write(k_cache, v_cache, k, v, seq_lens, query_start_loc, slots, layer=Non
     at = (slot, seq_lens[jnp.minimum(slot, num_slots - 1)] + pos)
     if layer is not None:
         at = (layer,) + at
-    return (k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
-            v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
+    return (
+        k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
+        v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"),
+    )
 
 
 def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, *, layer=None, impl="auto"):
@@ -65,16 +68,19 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     caches are the layer stacks [A, S1, M, KVH, D] and that layer is read: the kernel reads the
     stack in place (a layer slice handed to a kernel is a copy of the whole layer cache).
     """
-    if use_kernel("attention_verify", impl,
-                  lambda: attention_verify_kernel.supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots,
-                                                           t_max, layer)):
-        return attention_verify_kernel.attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max,
-                                                        layer=layer)
+    if use_kernel(
+        "attention_verify",
+        impl,
+        lambda: attention_verify_kernel.supports(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer),
+    ):
+        return attention_verify_kernel.attention_verify(
+            q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_max, layer=layer
+        )
     if layer is not None:
         k_cache, v_cache = k_cache[layer], v_cache[layer]
-    qp, valid = packing.to_padded(q, query_start_loc, t_max)                            # [B, T, Hq, D]
+    qp, valid = packing.to_padded(q, query_start_loc, t_max)  # [B, T, Hq, D]
     valid = valid & (slots > 0)[:, None]
-    last = seq_lens[slots][:, None] + jnp.arange(t_max)[None, :]                          # [B, T]
+    last = seq_lens[slots][:, None] + jnp.arange(t_max)[None, :]  # [B, T]
     key_pos = jnp.arange(k_cache.shape[1])
     mask = (key_pos[None, None, :] <= last[..., None]) & valid[..., None]
     o = _attend(qp, k_cache[slots], v_cache[slots], mask)
@@ -90,12 +96,15 @@ def _block_write(k_cache, v_cache, k_block, v_block, ctx_len, slots, layer):
     at = (slot, ctx_len[:, None] + jnp.arange(t)[None, :])
     if layer is not None:
         at = (layer,) + at
-    return (k_cache.at[at].set(k_block.astype(k_cache.dtype), mode="drop"),
-            v_cache.at[at].set(v_block.astype(v_cache.dtype), mode="drop"))
+    return (
+        k_cache.at[at].set(k_block.astype(k_cache.dtype), mode="drop"),
+        v_cache.at[at].set(v_block.astype(v_cache.dtype), mode="drop"),
+    )
 
 
-def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, context_window=0, *, layer=None,
-                    impl="auto"):
+def attention_block(
+    q, k_cache, v_cache, ctx_len, slots, k_block, v_block, context_window=0, *, layer=None, impl="auto"
+):
     """A draft block attending to its slot's cached context and, bidirectionally, to itself.
 
     q [B, T, Hq, D]; caches [S1, M, KVH, D] (context positions 0..ctx_len-1 valid), or layer stacks
@@ -112,19 +121,34 @@ def attention_block(q, k_cache, v_cache, ctx_len, slots, k_block, v_block, conte
     b, t = q.shape[:2]
     k_cache, v_cache = _block_write(k_cache, v_cache, k_block, v_block, ctx_len, slots, layer)
     num_slots = k_cache.shape[-4]
-    seq_lens = jnp.zeros((num_slots,), jnp.int32).at[jnp.where(slots > 0, slots, num_slots)].set(
-        ctx_len.astype(jnp.int32), mode="drop")
+    seq_lens = (
+        jnp.zeros((num_slots,), jnp.int32)
+        .at[jnp.where(slots > 0, slots, num_slots)]
+        .set(ctx_len.astype(jnp.int32), mode="drop")
+    )
     query_start_loc = jnp.arange(b + 1, dtype=jnp.int32) * t
     packed = q.reshape((b * t,) + q.shape[2:])
-    if use_kernel("attention_block", impl,
-                  lambda: attention_verify_kernel.supports(packed, k_cache, v_cache, seq_lens, query_start_loc,
-                                                           slots, t, layer)):
-        o = attention_verify_kernel.attention_verify(packed, k_cache, v_cache, seq_lens, query_start_loc, slots, t,
-                                                     layer=layer, causal=False, key_window=context_window)
+    if use_kernel(
+        "attention_block",
+        impl,
+        lambda: attention_verify_kernel.supports(packed, k_cache, v_cache, seq_lens, query_start_loc, slots, t, layer),
+    ):
+        o = attention_verify_kernel.attention_verify(
+            packed,
+            k_cache,
+            v_cache,
+            seq_lens,
+            query_start_loc,
+            slots,
+            t,
+            layer=layer,
+            causal=False,
+            key_window=context_window,
+        )
         return o.reshape(q.shape), k_cache, v_cache
     kc, vc = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
     pos = jnp.arange(kc.shape[1])[None, :]
-    mask = pos < (ctx_len + t)[:, None]                                                    # [B, M]
+    mask = pos < (ctx_len + t)[:, None]  # [B, M]
     if context_window:
         mask &= pos >= ctx_len[:, None] - context_window
     mask &= (slots > 0)[:, None]

@@ -5,6 +5,7 @@ Conv state per slot [W-1, C] holds the raw (pre-conv) inputs of the last W-1 com
 Verify saves the raw window inputs ("the deduplicated window": one row [state; x_0..x_{T-1}] per
 request instead of T windows); commit takes one slice of that row at offset a + 1.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -17,7 +18,7 @@ def _causal_conv(row, weight, t):
     """row [B, W-1+t, C] (history then inputs) -> silu(conv) [B, t, C] in float32."""
     width = weight.shape[1]
     w = weight.astype(jnp.float32)
-    acc = sum(row[:, i:i + t, :].astype(jnp.float32) * w[:, i] for i in range(width))
+    acc = sum(row[:, i : i + t, :].astype(jnp.float32) * w[:, i] for i in range(width))
     return jax.nn.silu(acc)
 
 
@@ -48,14 +49,19 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, l
     stacks over the GDN layers ([G, S1, ...]); the returned window is then the stack with that layer's rows written. The
     kernel reads and writes the stacks in place (a per-layer slice handed to a kernel is a copy).
     """
-    if use_kernel("conv_verify", impl, lambda: pallas_conv.supports_conv_verify(
-            x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)):
+    if use_kernel(
+        "conv_verify",
+        impl,
+        lambda: pallas_conv.supports_conv_verify(
+            x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer
+        ),
+    ):
         return pallas_conv.conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, layer=layer)
-    if layer is not None:      # the layer's slices (copies), through the kernel where it applies
+    if layer is not None:  # the layer's slices (copies), through the kernel where it applies
         y, window = conv_verify(x, conv_state[layer], conv_window[layer], weight, query_start_loc, slots, impl=impl)
         return y, conv_window.at[layer].set(window)
     t_max = conv_window.shape[1]
-    xp, valid = packing.to_padded(x, query_start_loc, t_max)                 # [B, T, C]
+    xp, valid = packing.to_padded(x, query_start_loc, t_max)  # [B, T, C]
     valid = valid & (slots > 0)[:, None]
     row = jnp.concatenate([conv_state[slots].astype(x.dtype), xp], axis=1)  # [B, W-1+T, C]
     y = jnp.where(valid[..., None], _causal_conv(row, weight, t_max), 0.0).astype(x.dtype)

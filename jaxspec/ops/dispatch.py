@@ -7,7 +7,8 @@ reference, so a model function called with impl="pallas" runs every kernel there
 `"auto"` takes the kernel only on a GPU and only where its `supports(...)` predicate covers the
 call's shapes and dtypes. An unsupported call is slower, never wrong.
 """
-from typing import Callable
+
+from collections.abc import Callable
 
 import jax
 

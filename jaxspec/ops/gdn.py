@@ -12,6 +12,7 @@ advances a cursor, and a fold (one matmul) moves live records into the checkpoin
 Ring layouts per slot: keys [H, L, K] (activation dtype), updates [HV, L, V] as one float32 array
 or a (hi, lo) pair of bfloat16 arrays with u ~= hi + lo, gates [HV, L] float32.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -76,7 +77,7 @@ def _log_decays(g):
     """
     t = g.shape[-1]
     strict = jnp.tril(jnp.ones((t, t), bool), -1)
-    terms = _where(strict, jnp.broadcast_to(g[..., :, None], g.shape + (t,)))     # terms[i, j] = g_i, j < i
+    terms = _where(strict, jnp.broadcast_to(g[..., :, None], g.shape + (t,)))  # terms[i, j] = g_i, j < i
     return jnp.where(jnp.tril(jnp.ones((t, t), bool)), jnp.cumsum(terms, axis=-2), -jnp.inf)
 
 
@@ -121,16 +122,17 @@ def _chunk_step(h0, chunk):
     G = jnp.cumsum(g, axis=-1)
     incl = jnp.tril(jnp.ones((c, c), bool))
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    log_decay = _log_decays(g)                                                              # [B, HV, C, C]
+    log_decay = _log_decays(g)  # [B, HV, C, C]
     decay = jnp.exp(log_decay)
     kk = jnp.einsum("bhik,bhjk->bhij", k, k, precision=HIGHEST)
     A = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
     rhs = beta[..., None] * (v - jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", k, h0, precision=HIGHEST))
     u = _forward_substitute(A, rhs)
     qk = jnp.where(incl, jnp.einsum("bhik,bhjk->bhij", q, k, precision=HIGHEST) * decay, 0.0)
-    o = (jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, h0, precision=HIGHEST)
-         + jnp.einsum("bhij,bhjv->bhiv", qk, u, precision=HIGHEST))
-    k_w = k * jnp.exp(log_decay[..., -1, :])[..., None]                                    # e^{G_c - G_j}
+    o = jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, h0, precision=HIGHEST) + jnp.einsum(
+        "bhij,bhjv->bhiv", qk, u, precision=HIGHEST
+    )
+    k_w = k * jnp.exp(log_decay[..., -1, :])[..., None]  # e^{G_c - G_j}
     h1 = jnp.exp(G[..., -1:])[..., None] * h0 + jnp.einsum("bhck,bhcv->bhkv", k_w, u, precision=HIGHEST)
     return h1, o
 
@@ -142,10 +144,10 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
     state unchanged and output 0. Returns (o [B, T, HV, V] float32, h [B, HV, K, V] float32).
     """
     if use_kernel("gdn_chunked", impl, lambda: pallas_chunked.supports(q, k, v, g, beta, h0, lengths)):
-        return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)     # its own chunk size
+        return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)  # its own chunk size
     b, t, hv, _ = v.shape
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
-    valid = jnp.arange(t)[None, :] < lengths[:, None]                                    # [B, T]
+    valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
 
@@ -156,11 +158,11 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
         x = _where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x)
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = x.reshape((b, n_chunks, chunk) + x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)   # [n_chunks, B, HV, C, ...]
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)  # [n_chunks, B, HV, C, ...]
 
     xs = (prep(q, True), prep(k, True), prep(v, False), prep(g, False), prep(beta, False))
     h, o = jax.lax.scan(_chunk_step, h0.astype(jnp.float32), xs)
-    o = jnp.moveaxis(o, 0, 1)                                 # [B, n_chunks, HV, C, V]
+    o = jnp.moveaxis(o, 0, 1)  # [B, n_chunks, HV, C, V]
     o = jnp.moveaxis(o, 3, 2).reshape(b, n_chunks * chunk, hv, -1)[:, :t]
     return o, h
 
@@ -174,10 +176,10 @@ def _fold_state(h0, keys, updates, gates, num_records):
     num_records [B] -> e^{G_m} h0 + sum_{j<m} e^{G_m - G_j} k_j u_j^T with G_j = g_0 + .. + g_j and
     G_m the sum of the m live gates (records j >= m ignored)."""
     hv, ring_len = gates.shape[1], gates.shape[2]
-    live = (jnp.arange(ring_len)[None, :] < num_records[:, None])[:, None, :]            # [B, 1, L]
+    live = (jnp.arange(ring_len)[None, :] < num_records[:, None])[:, None, :]  # [B, 1, L]
     gates = _where(live, gates.astype(jnp.float32))
     G_m = jnp.sum(gates, axis=-1)
-    coef = _where(live, jnp.exp(_suffix_sums(gates)))                                     # [B, HV, L]
+    coef = _where(live, jnp.exp(_suffix_sums(gates)))  # [B, HV, L]
     k_w = _where(live[..., None], expand_heads(keys.astype(jnp.float32), hv, 1) * coef[..., None])
     u = _where(live[..., None], updates)
     return jnp.exp(G_m)[..., None, None] * h0 + jnp.einsum("bhlk,bhlv->bhkv", k_w, u, precision=HIGHEST)
@@ -237,8 +239,9 @@ def _window(h, q, k, v, g, beta, valid):
     return o, u
 
 
-def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max,
-               *, layer=None, impl="auto"):
+def gdn_verify(
+    q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max, *, layer=None, impl="auto"
+):
     """Replay verify of a packed window on top of each slot's checkpoint and ring history.
 
     q, k [N, H, K] (normalised); v [N, HV, V]; g, beta [N, HV]; ckpt [S1, HV, K, V]; ring_k
@@ -258,23 +261,44 @@ def gdn_verify(q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_
         return pallas_verify.gdn_verify(*args, layer=layer)
     if layer is not None:
         pick = lambda x: tuple(p[layer] for p in x) if isinstance(x, tuple) else x[layer]
-        o, rk, ru, rg = gdn_verify(q, k, v, g, beta, ckpt[layer], ring_k[layer], pick(ring_u), ring_g[layer],
-                                   write_pos, query_start_loc, slots, t_max, impl="ref")
+        o, rk, ru, rg = gdn_verify(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            ckpt[layer],
+            ring_k[layer],
+            pick(ring_u),
+            ring_g[layer],
+            write_pos,
+            query_start_loc,
+            slots,
+            t_max,
+            impl="ref",
+        )
         put = lambda stack, x: stack.at[layer].set(x)
         ring_u = tuple(map(put, ring_u, ru)) if isinstance(ring_u, tuple) else put(ring_u, ru)
         return o, put(ring_k, rk), ring_u, put(ring_g, rg)
     hv = ring_g.shape[1]
     (qp, kp, vp, gp, bp), valid = zip(*(packing.to_padded(x, query_start_loc, t_max) for x in (q, k, v, g, beta)))
-    valid = valid[0] & (slots > 0)[:, None]                                               # [B, T]
+    valid = valid[0] & (slots > 0)[:, None]  # [B, T]
     base = write_pos[slots]
     h = _fold_state(ckpt[slots].astype(jnp.float32), ring_k[slots], read_updates(ring_u)[slots], ring_g[slots], base)
     heads_first = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 2)
-    o, u = _window(h, heads_first(expand_heads(qp, hv, 2)), heads_first(expand_heads(kp, hv, 2)), heads_first(vp),
-                   jnp.swapaxes(gp, 1, 2), jnp.swapaxes(bp, 1, 2), valid[:, None, :])
+    o, u = _window(
+        h,
+        heads_first(expand_heads(qp, hv, 2)),
+        heads_first(expand_heads(kp, hv, 2)),
+        heads_first(vp),
+        jnp.swapaxes(gp, 1, 2),
+        jnp.swapaxes(bp, 1, 2),
+        valid[:, None, :],
+    )
 
     # Ring writes at (slot, head, write_pos + t); invalid tokens are sent out of range and dropped.
     num_slots = ring_g.shape[0]
-    slot_t = jnp.where(valid, slots[:, None], num_slots)                                  # [B, T]
+    slot_t = jnp.where(valid, slots[:, None], num_slots)  # [B, T]
     pos_t = base[:, None] + jnp.arange(t_max)[None, :]
     kh = jnp.arange(ring_k.shape[1])[None, None, :]
     ring_k = ring_k.at[slot_t[..., None], kh, pos_t[..., None]].set(kp.astype(ring_k.dtype), mode="drop")

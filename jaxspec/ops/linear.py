@@ -6,6 +6,7 @@ default precision (bf16 products, float32 accumulation on the tensor cores) with
 result. HIGHEST on bf16 operands buys nothing and is slow where few rows are multiplied: a batch-1
 MLP then takes well over its weight-read time (bench/skinny_gemm.py, bench/RESULTS.md).
 """
+
 import jax
 import jax.numpy as jnp
 

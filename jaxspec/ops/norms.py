@@ -1,4 +1,5 @@
 """RMSNorm variants of the Qwen3.5 / Qwen3-Next family (float32 math, cast back)."""
+
 import jax
 import jax.numpy as jnp
 

@@ -3,6 +3,7 @@
 Packed: the tokens of request r are rows query_start_loc[r] : query_start_loc[r+1] of an [N, ...]
 array; rows >= query_start_loc[B] are padding. Padded: [B, t_max, ...] with a validity mask.
 """
+
 import jax.numpy as jnp
 
 

@@ -1,4 +1,5 @@
 """Partial rotary position embedding (rotate-half) on the first `rotary_dim` dims of each head."""
+
 import jax.numpy as jnp
 
 from jaxspec.ops.dispatch import use_kernel
@@ -11,8 +12,8 @@ def apply_rope(x, positions, rotary_dim, theta, *, impl="auto"):
     """
     use_kernel("apply_rope", impl, None)
     inv_freq = theta ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq          # [..., rd/2]
-    angle = jnp.concatenate([angle, angle], axis=-1)[..., None, :]       # [..., 1, rd]
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., rd/2]
+    angle = jnp.concatenate([angle, angle], axis=-1)[..., None, :]  # [..., 1, rd]
     xf = x.astype(jnp.float32)
     rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     half = rotary_dim // 2

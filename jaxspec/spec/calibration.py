@@ -14,6 +14,7 @@ AUC (Mann-Whitney, ties counted one half) next to the raw prod-q_max baseline
 (10 equal-width bins). `reliability_plot` draws the reliability diagrams; `main` is the
 ``jaxspec estimator TRACE.npz [--plot out.png] [--json]`` command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,22 @@ import numpy as np
 
 from jaxspec.spec import estimator as est
 
-__all__ = ["Trace", "TraceRecorder", "save_trace", "load_trace", "evaluate", "auc", "ece",
-           "reliability_bins", "reliability_plot", "main"]
+__all__ = [
+    "Trace",
+    "TraceRecorder",
+    "save_trace",
+    "load_trace",
+    "evaluate",
+    "auc",
+    "ece",
+    "reliability_bins",
+    "reliability_plot",
+    "main",
+]
 
 ECE_BINS = 10
-MIN_PLOT_BIN = 5              # bins with fewer samples are left out of the plot
-DEFAULT_BATCH_ROWS = 32      # rows per replayed observe call when the trace has no step index
+MIN_PLOT_BIN = 5  # bins with fewer samples are left out of the plot
+DEFAULT_BATCH_ROWS = 32  # rows per replayed observe call when the trace has no step index
 
 
 # ------------------------------------------------------------------------------------ traces
@@ -41,11 +52,11 @@ DEFAULT_BATCH_ROWS = 32      # rows per replayed observe call when the trace has
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    features: np.ndarray                  # [S, P] float32
-    verified: np.ndarray                  # [S] int32
-    accepted: np.ndarray                  # [S] int32
+    features: np.ndarray  # [S, P] float32
+    verified: np.ndarray  # [S] int32
+    accepted: np.ndarray  # [S] int32
     temperature: np.ndarray | None = None  # [S] float32
-    step: np.ndarray | None = None         # [S] int64, non-decreasing
+    step: np.ndarray | None = None  # [S] int64, non-decreasing
 
     def __post_init__(self):
         f = np.asarray(self.features, np.float32)
@@ -68,8 +79,7 @@ class Trace:
             st = _int_column("step", self.step, S, np.int64)
             if S > 1 and np.any(np.diff(st) < 0):
                 raise ValueError("trace step: must be non-decreasing (rows in serving order)")
-        for name, value in (("features", f), ("verified", v), ("accepted", a),
-                            ("temperature", t), ("step", st)):
+        for name, value in (("features", f), ("verified", v), ("accepted", a), ("temperature", t), ("step", st)):
             object.__setattr__(self, name, value)
 
     @property
@@ -99,7 +109,7 @@ def save_trace(path, features, verified, accepted, temperature=None, *, step=Non
         arrays["temperature"] = trace.temperature
     if trace.step is not None:
         arrays["step"] = trace.step
-    with open(path, "wb") as fh:            # a file object: np.savez would append ".npz"
+    with open(path, "wb") as fh:  # a file object: np.savez would append ".npz"
         np.savez_compressed(fh, **arrays)
     return trace
 
@@ -146,8 +156,13 @@ class TraceRecorder:
             if has_t:
                 temps.append(np.broadcast_to(np.asarray(t, np.float32), v.shape)[keep])
             steps.append(np.full(int(keep.sum()), i, np.int64))
-        return Trace(np.concatenate(feats), np.concatenate(vers), np.concatenate(accs),
-                     np.concatenate(temps) if has_t else None, np.concatenate(steps))
+        return Trace(
+            np.concatenate(feats),
+            np.concatenate(vers),
+            np.concatenate(accs),
+            np.concatenate(temps) if has_t else None,
+            np.concatenate(steps),
+        )
 
     def save(self, path) -> Trace:
         t = self.trace()
@@ -200,8 +215,12 @@ def reliability_bins(pred, labels, bins: int = ECE_BINS) -> dict:
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_pred = np.where(count > 0, sum_pred / count, np.nan)
         freq = np.where(count > 0, sum_lab / count, np.nan)
-    return {"edges": np.linspace(0.0, 1.0, bins + 1).tolist(), "count": count.astype(int).tolist(),
-            "mean_pred": mean_pred.tolist(), "freq": freq.tolist()}
+    return {
+        "edges": np.linspace(0.0, 1.0, bins + 1).tolist(),
+        "count": count.astype(int).tolist(),
+        "mean_pred": mean_pred.tolist(),
+        "freq": freq.tolist(),
+    }
 
 
 def ece(pred, labels, bins: int = ECE_BINS) -> float:
@@ -238,9 +257,11 @@ def _replay_fn():
     def replay(state, x, verified, accepted):
         def body(s, inp):
             xb, vb, ab = inp
-            _, surv = est.predict(s, xb)        # predict before observe, as in serving
+            _, surv = est.predict(s, xb)  # predict before observe, as in serving
             return est.observe(s, xb, vb, ab), surv
+
         return jax.lax.scan(body, state, (x, verified, accepted))
+
     return replay
 
 
@@ -261,7 +282,7 @@ def replay_online(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_R
         return np.zeros((0, P)), state
     width = int(np.max(ends - starts))
     x = np.zeros((C, width, P), np.float32)
-    v = np.zeros((C, width), np.int32)              # padding rows verify nothing: no labels
+    v = np.zeros((C, width), np.int32)  # padding rows verify nothing: no labels
     a = np.zeros((C, width), np.int32)
     call = np.repeat(np.arange(C), ends - starts)
     slot = np.arange(trace.num_rows) - np.repeat(starts, ends - starts)
@@ -281,8 +302,12 @@ def baseline_survival(features) -> np.ndarray:
 
 
 def _scores(surv, base, mask, labels):
-    return {"auc": auc(surv[mask], labels[mask]), "auc_baseline": auc(base[mask], labels[mask]),
-            "ece": ece(surv[mask], labels[mask]), "ece_baseline": ece(base[mask], labels[mask])}
+    return {
+        "auc": auc(surv[mask], labels[mask]),
+        "auc_baseline": auc(base[mask], labels[mask]),
+        "ece": ece(surv[mask], labels[mask]),
+        "ece_baseline": ece(base[mask], labels[mask]),
+    }
 
 
 def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> dict:
@@ -302,21 +327,32 @@ def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS) 
     k = np.arange(P)[None, :]
     mask = k < trace.verified[:, None]
     labels = k < trace.accepted[:, None]
-    out = {"rows": S, "positions": P, "samples": int(mask.sum()),
-           "calls": int(final.calls), "refits": int(final.calls) // final.refit_interval,
-           **_scores(surv, base, mask, labels)}
+    out = {
+        "rows": S,
+        "positions": P,
+        "samples": int(mask.sum()),
+        "calls": int(final.calls),
+        "refits": int(final.calls) // final.refit_interval,
+        **_scores(surv, base, mask, labels),
+    }
     per_pos, rel_est, rel_base = [], [], []
     for j in range(P):
         m = mask[:, j]
         s_j, b_j, y_j = surv[m, j], base[m, j], labels[m, j]
         n = int(m.sum())
-        per_pos.append({
-            "position": j, "n": n,
-            "accept_rate": float(y_j.mean()) if n else float("nan"),
-            "mean_survival": float(s_j.mean()) if n else float("nan"),
-            "mean_baseline": float(b_j.mean()) if n else float("nan"),
-            "ece": ece(s_j, y_j), "ece_baseline": ece(b_j, y_j),
-            "auc": auc(s_j, y_j), "auc_baseline": auc(b_j, y_j)})
+        per_pos.append(
+            {
+                "position": j,
+                "n": n,
+                "accept_rate": float(y_j.mean()) if n else float("nan"),
+                "mean_survival": float(s_j.mean()) if n else float("nan"),
+                "mean_baseline": float(b_j.mean()) if n else float("nan"),
+                "ece": ece(s_j, y_j),
+                "ece_baseline": ece(b_j, y_j),
+                "auc": auc(s_j, y_j),
+                "auc_baseline": auc(b_j, y_j),
+            }
+        )
         rel_est.append(reliability_bins(s_j, y_j))
         rel_base.append(reliability_bins(b_j, y_j))
     out["per_position"] = per_pos
@@ -327,11 +363,9 @@ def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS) 
         if temps.size <= 8:
             for t in temps:
                 rows = trace.temperature == t
-                groups[f"{float(t):g}"] = {"rows": int(rows.sum()),
-                                           **_scores(surv, base, mask & rows[:, None], labels)}
+                groups[f"{float(t):g}"] = {"rows": int(rows.sum()), **_scores(surv, base, mask & rows[:, None], labels)}
         out["by_temperature"] = groups
-    out["final_state"] = {"slope": float(final.slope),
-                          "intercepts": [float(b) for b in np.asarray(final.intercepts)]}
+    out["final_state"] = {"slope": float(final.slope), "intercepts": [float(b) for b in np.asarray(final.intercepts)]}
     return out
 
 
@@ -347,18 +381,19 @@ def reliability_plot(result: dict, path_png) -> None:
     fig = Figure(figsize=(10, 4.6), dpi=110)
     FigureCanvasAgg(fig)
     P = len(result["per_position"])
-    panels = (("estimator", "online estimator", result["auc"], result["ece"]),
-              ("baseline", "prod q_max baseline", result["auc_baseline"], result["ece_baseline"]))
+    panels = (
+        ("estimator", "online estimator", result["auc"], result["ece"]),
+        ("baseline", "prod q_max baseline", result["auc_baseline"], result["ece_baseline"]),
+    )
     for i, (key, title, auc_v, ece_v) in enumerate(panels):
         ax = fig.add_subplot(1, 2, i + 1)
         ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls="--", label="calibrated")
         for j, rel in enumerate(result["reliability"][key]):
             mp = np.asarray(rel["mean_pred"], np.float64)
             fr = np.asarray(rel["freq"], np.float64)
-            ok = np.asarray(rel["count"]) >= MIN_PLOT_BIN    # near-empty bins are noise
+            ok = np.asarray(rel["count"]) >= MIN_PLOT_BIN  # near-empty bins are noise
             if ok.any():
-                ax.plot(mp[ok], fr[ok], marker="o", ms=3, lw=1.2, label=f"pos {j}",
-                        color=_position_color(j, P))
+                ax.plot(mp[ok], fr[ok], marker="o", ms=3, lw=1.2, label=f"pos {j}", color=_position_color(j, P))
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_aspect("equal")
@@ -374,6 +409,7 @@ def reliability_plot(result: dict, path_png) -> None:
 
 def _position_color(j, P):
     from matplotlib import colormaps
+
     return colormaps["viridis"](j / max(P - 1, 1))
 
 
@@ -395,28 +431,31 @@ def _json_ready(obj):
 
 
 def format_report(result: dict) -> str:
-    lines = [f"trace: {result['rows']} rows, {result['positions']} draft positions, "
-             f"{result['samples']} verified samples, {result['calls']} observe calls, "
-             f"{result['refits']} refits",
-             f"AUC  estimator {_fmt(result['auc'])}   baseline (prod q_max) "
-             f"{_fmt(result['auc_baseline'])}",
-             f"ECE  estimator {_fmt(result['ece'])}   baseline (prod q_max) "
-             f"{_fmt(result['ece_baseline'])}",
-             "",
-             f"{'pos':>3} {'n':>8} {'accept':>7} {'mean s':>7} {'ECE':>7} {'AUC':>7}"
-             f"   {'mean q':>7} {'ECE q':>7} {'AUC q':>7}"]
+    lines = [
+        f"trace: {result['rows']} rows, {result['positions']} draft positions, "
+        f"{result['samples']} verified samples, {result['calls']} observe calls, "
+        f"{result['refits']} refits",
+        f"AUC  estimator {_fmt(result['auc'])}   baseline (prod q_max) {_fmt(result['auc_baseline'])}",
+        f"ECE  estimator {_fmt(result['ece'])}   baseline (prod q_max) {_fmt(result['ece_baseline'])}",
+        "",
+        f"{'pos':>3} {'n':>8} {'accept':>7} {'mean s':>7} {'ECE':>7} {'AUC':>7}"
+        f"   {'mean q':>7} {'ECE q':>7} {'AUC q':>7}",
+    ]
     for r in result["per_position"]:
-        lines.append(f"{r['position']:>3} {r['n']:>8} {_fmt(r['accept_rate'], 3):>7} "
-                     f"{_fmt(r['mean_survival'], 3):>7} {_fmt(r['ece']):>7} {_fmt(r['auc']):>7}"
-                     f"   {_fmt(r['mean_baseline'], 3):>7} {_fmt(r['ece_baseline']):>7} "
-                     f"{_fmt(r['auc_baseline']):>7}")
+        lines.append(
+            f"{r['position']:>3} {r['n']:>8} {_fmt(r['accept_rate'], 3):>7} "
+            f"{_fmt(r['mean_survival'], 3):>7} {_fmt(r['ece']):>7} {_fmt(r['auc']):>7}"
+            f"   {_fmt(r['mean_baseline'], 3):>7} {_fmt(r['ece_baseline']):>7} "
+            f"{_fmt(r['auc_baseline']):>7}"
+        )
     for t, g in result.get("by_temperature", {}).items():
-        lines.append(f"T={t}: {g['rows']} rows, AUC {_fmt(g['auc'])} vs "
-                     f"{_fmt(g['auc_baseline'])}, ECE {_fmt(g['ece'])} vs "
-                     f"{_fmt(g['ece_baseline'])}")
+        lines.append(
+            f"T={t}: {g['rows']} rows, AUC {_fmt(g['auc'])} vs "
+            f"{_fmt(g['auc_baseline'])}, ECE {_fmt(g['ece'])} vs "
+            f"{_fmt(g['ece_baseline'])}"
+        )
     fs = result["final_state"]
-    lines.append(f"final slope {fs['slope']:.4f}, intercepts "
-                 + " ".join(f"{b:.3f}" for b in fs["intercepts"]))
+    lines.append(f"final slope {fs['slope']:.4f}, intercepts " + " ".join(f"{b:.3f}" for b in fs["intercepts"]))
     return "\n".join(lines)
 
 
@@ -426,13 +465,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # which must not have imported jaxspec.cli already
     from jaxspec.cli import positive_int
 
-    parser.add_argument("trace",
-                        help="trace .npz (features, verified, accepted[, temperature, step])")
+    parser.add_argument("trace", help="trace .npz (features, verified, accepted[, temperature, step])")
     parser.add_argument("--plot", metavar="PNG", help="write a reliability plot")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
-    parser.add_argument("--batch-rows", type=positive_int("--batch-rows"),
-                        default=DEFAULT_BATCH_ROWS,
-                        help="rows per replayed observe call when the trace has no step index")
+    parser.add_argument(
+        "--batch-rows",
+        type=positive_int("--batch-rows"),
+        default=DEFAULT_BATCH_ROWS,
+        help="rows per replayed observe call when the trace has no step index",
+    )
     parser.add_argument("--refit-interval", type=positive_int("--refit-interval"), default=100)
     return parser
 
@@ -461,9 +502,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 
 def main(argv=None) -> int:
     """``jaxspec estimator TRACE.npz [--plot out.png] [--json]``; returns the exit status."""
-    parser = add_arguments(argparse.ArgumentParser(
-        prog="jaxspec estimator",
-        description="AUC and calibration of the online acceptance estimator on a trace"))
+    parser = add_arguments(
+        argparse.ArgumentParser(
+            prog="jaxspec estimator", description="AUC and calibration of the online acceptance estimator on a trace"
+        )
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return run(args, parser)
 
