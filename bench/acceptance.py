@@ -10,13 +10,12 @@ requests. Runs on the CPU or the GPU. Usage:
   python3 bench/acceptance.py --target models/tiny-target --draft models/tiny-dflash --out bench/out
 Writes DIR/acceptance.json and DIR/acceptance.md.
 """
+
 import argparse
 import json
 import os
 import sys
 import time
-
-import numpy as np
 
 
 def _ints(text):
@@ -27,15 +26,6 @@ def _floats(text):
     return [float(x) for x in text.split(",")]
 
 
-def held_out_prompts(count, length, seed, corpus_root=None):
-    """`count` windows of `length` tokens from the held-out corpus (list of int lists)."""
-    from jaxspec import train
-
-    _, held_out = train.load_corpus(corpus_root)
-    rows = held_out.sample(np.random.default_rng(seed), count, length)
-    return [list(map(int, row)) for row in rows]
-
-
 def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=0):
     """Decode `prompts` in static mode with verify window `block`; returns a dict of the totals."""
     from jaxspec.config import SpecConfig
@@ -44,7 +34,7 @@ def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=
     max_len = max(map(len, prompts)) + max_new_tokens + block + 1
     spec = SpecConfig(verify_mode="static", block_size=block, num_slots=len(prompts), max_len=max_len)
     engine = Engine(target, draft, spec)
-    engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)   # compiles
+    engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)  # compiles
     start = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     seconds = time.perf_counter() - start
@@ -54,9 +44,17 @@ def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(r.stats["steps"] for r in results)
     per_request = [r.stats["accept_length"] for r in results]
-    return {"block": block, "temperature": temperature, "requests": len(results), "tokens": tokens,
-            "steps": steps, "accept_length": tokens / steps, "accept_length_min": min(per_request),
-            "accept_length_max": max(per_request), "tokens_per_s": tokens / seconds}
+    return {
+        "block": block,
+        "temperature": temperature,
+        "requests": len(results),
+        "tokens": tokens,
+        "steps": steps,
+        "accept_length": tokens / steps,
+        "accept_length_min": min(per_request),
+        "accept_length_max": max(per_request),
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def main(argv=None):
@@ -75,6 +73,7 @@ def main(argv=None):
 
     import jax
 
+    from jaxspec.bench.prompts import held_out_prompts
     from jaxspec.dflash import load_draft
     from jaxspec.target import load_target
 
@@ -83,25 +82,46 @@ def main(argv=None):
     too_big = [b for b in args.blocks if b > draft.config.block_size]
     if too_big:
         ap.error(f"argument --blocks: {too_big} exceed the draft's block size {draft.config.block_size}")
-    prompts = held_out_prompts(args.prompts, args.prompt_len, args.seed, args.corpus)
+    prompts, _ = held_out_prompts(args.prompts, args.prompt_len, args.seed, args.corpus)
     rows = []
     for block in args.blocks:
         for temperature in args.temperatures:
-            row = measure(target, draft, prompts, block=block, temperature=temperature,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed)
+            row = measure(
+                target,
+                draft,
+                prompts,
+                block=block,
+                temperature=temperature,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"target": args.target, "draft": args.draft, "prompts": args.prompts, "prompt_len": args.prompt_len,
-            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "device": str(jax.devices()[0]),
-            "command": " ".join(["python3", "bench/acceptance.py"] + (argv if argv is not None else sys.argv[1:]))}
+    meta = {
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "device": str(jax.devices()[0]),
+        "command": " ".join(["python3", "bench/acceptance.py"] + (argv if argv is not None else sys.argv[1:])),
+    }
     with open(os.path.join(args.out, "acceptance.json"), "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
-    lines = [f"{args.prompts} held-out prompts of {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
-             f"static verify mode ({meta['device']}).", "",
-             "| block | T | acceptance length | min..max per request | tokens/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['block']} | {r['temperature']:g} | {r['accept_length']:.2f} | {r['accept_length_min']:.2f}.."
-              f"{r['accept_length_max']:.2f} | {r['tokens_per_s']:.0f} |" for r in rows]
+    lines = [
+        f"{args.prompts} held-out prompts of {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
+        f"static verify mode ({meta['device']}).",
+        "",
+        "| block | T | acceptance length | min..max per request | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['block']} | {r['temperature']:g} | {r['accept_length']:.2f} | {r['accept_length_min']:.2f}.."
+        f"{r['accept_length_max']:.2f} | {r['tokens_per_s']:.0f} |"
+        for r in rows
+    ]
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

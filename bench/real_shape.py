@@ -1,7 +1,7 @@
 """Engine steps at the real Qwen3.5-27B shape (random bf16 weights): mode none vs the DFlash spec step,
 against their HBM floors, with a per-component GPU breakdown, compile times and a memory report.
 
-Models (random weights, bf16):
+Models (`jaxspec.bench.shapes.build`: random weights, bf16):
   target: Qwen3.5-27B-shaped (hidden 5120, intermediate 17408, layer i full attention iff (i+1) % 4 == 0,
     attention 24 query / 4 KV heads of dim 256 with a quarter rotary and theta 1e7, GDN 16 key / 48 value heads
     of dim 128 and conv width 4, vocab 248320, untied lm_head), cut to the first --layers layers (default 16;
@@ -27,9 +27,9 @@ is one step with forced acceptance):
   GPU busy ms a step, by engine scope (the named scopes of engine._step / engine._decode: draft, estimator,
   plan, verify, accept, commit, draft_context; else other) and the top kernels by time.
 
-Kernel -> scope: each GPU kernel event of the trace carries XLA's launch annotation as stats. A stat holding
-the op_name path (tf_op / op_name / name / long_name) gives the scope directly (its first path component that
-is a scope name); else the kernel's hlo_op stat is looked up in the compiled step's HLO text
+Kernel -> scope (`jaxspec.bench.trace`): each GPU kernel event of the trace carries XLA's launch annotation
+as stats. A stat holding the op_name path (tf_op / op_name / name / long_name) gives the scope directly (its
+first path component that is a scope name); else the kernel's hlo_op stat is looked up in the compiled step's HLO text
 (`jit(...).lower(...).compile().as_text()`: metadata op_name of that instruction, or of the instructions it
 calls); else the kernel name itself is tried as an HLO instruction name. Kernels still unmapped count as
 "other" and are listed (first 30) in the JSON, beside the stat names the trace had (`trace_stats`).
@@ -65,38 +65,28 @@ Usage (GPU):
   python3 bench/real_shape.py --smoke --out /tmp/rs      (CPU, tiny config, the same code path)
 Writes DIR/real_shape.md and DIR/real_shape.json (DIR = --out, default $OUT or bench/out).
 """
+
 import argparse
-import collections
 import datetime
-import glob
 import importlib.util
 import json
 import math
 import os
-import re
 import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCOPES = ("draft", "estimator", "plan", "verify", "accept", "commit", "draft_context")
-HBM_BYTES = 141e9                        # H200
-PATH_STATS = ("tf_op", "op_name", "name", "long_name")   # stats that may hold the op_name path
+sys.path.insert(0, benchutil.ROOT)
+from jaxspec.bench.compile import precompile  # noqa: E402
+from jaxspec.bench.shapes import REAL_DRAFT, REAL_TARGET, SMOKE_DRAFT, SMOKE_TARGET, build, draft_config, target_config  # noqa: E402
+from jaxspec.bench.trace import hlo_scopes, map_events, trace_events  # noqa: E402,F401  (hlo_scopes: tests)
 
-# Qwen3.5-27B text model, and the DFlash draft for it
-REAL_TARGET = dict(vocab=248320, hidden=5120, intermediate=17408, layers=64, interval=4, heads=24, kv_heads=4,
-                   head_dim=256, rotary=0.25, rope_theta=1e7, gdn_k_heads=16, gdn_v_heads=48, gdn_dim=128, conv=4,
-                   eps=1e-6)
-REAL_DRAFT = dict(layers=5, hidden=5120, intermediate=17408, heads=32, kv_heads=8, head_dim=128, taps=5)
-# --smoke: a tiny config, same code path (2 layers: one GDN, one attention)
-SMOKE_TARGET = dict(vocab=512, hidden=64, intermediate=128, layers=2, interval=2, heads=4, kv_heads=2, head_dim=16,
-                    rotary=0.25, rope_theta=1e7, gdn_k_heads=2, gdn_v_heads=4, gdn_dim=16, conv=4, eps=1e-6)
-SMOKE_DRAFT = dict(layers=1, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, taps=5)
+HERE = os.path.dirname(os.path.abspath(__file__))
+HBM_BYTES = 141e9  # H200
 
 
 def parse(argv=None):
@@ -109,21 +99,35 @@ def parse(argv=None):
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per row forced_step prefills")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trace-calls", type=int, default=3, help="steps in one profiler trace (0: no trace)")
-    ap.add_argument("--tiers", default="all",
-                    help="tier indices of the ladder to time (comma list, negative from the top: -1 = full "
-                         "block, timed by the static step; the others by compact), or 'all'")
+    ap.add_argument(
+        "--tiers",
+        default="all",
+        help="tier indices of the ladder to time (comma list, negative from the top: -1 = full "
+        "block, timed by the static step; the others by compact), or 'all'",
+    )
     ap.add_argument("--compact-full", action="store_true", help="also time the compact step at the full tier")
     ap.add_argument("--modes", default="none,spec", help="subset of none,spec")
     ap.add_argument("--num-tiers", type=int, default=4)
-    ap.add_argument("--budget-s", type=float, default=400.0,
-                    help="start no new batch or case after this many seconds (the GPU call's limit is 600 s)")
-    ap.add_argument("--compile-workers", type=int, default=4,
-                    help="compile a batch's programs ahead of their calls in this many threads (0: each compiles "
-                         "at its first call, one after another)")
-    ap.add_argument("--no-command-buffers", action="store_true",
-                    help="XLA_FLAGS --xla_gpu_enable_command_buffer= (every kernel maps to its scope)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=400.0,
+        help="start no new batch or case after this many seconds (the GPU call's limit is 600 s)",
+    )
+    ap.add_argument(
+        "--compile-workers",
+        type=int,
+        default=4,
+        help="compile a batch's programs ahead of their calls in this many threads (0: each compiles "
+        "at its first call, one after another)",
+    )
+    ap.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="XLA_FLAGS --xla_gpu_enable_command_buffer= (every kernel maps to its scope)",
+    )
     ap.add_argument("--no-torch-copy", action="store_true", help="skip the torch copy bandwidth subprocess")
-    ap.add_argument("--torch-copy", action="store_true", help=argparse.SUPPRESS)   # the subprocess itself
+    ap.add_argument("--torch-copy", action="store_true", help=argparse.SUPPRESS)  # the subprocess itself
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
@@ -132,7 +136,7 @@ def parse(argv=None):
         args.reps, args.prompt_len, args.trace_calls = 2, 8, 2
     elif args.layers < 4 or args.layers % 4:
         ap.error(f"--layers={args.layers}: must be a positive multiple of 4")
-    calls = max(2, args.trace_calls + 2)          # one prefill holds the first call + one timed, and a trace
+    calls = max(2, args.trace_calls + 2)  # one prefill holds the first call + one timed, and a trace
     if args.prompt_len + calls * args.block > args.max_len:
         ap.error(f"--max-len={args.max_len}: must hold --prompt-len + {calls} steps of --block tokens")
     return args
@@ -141,41 +145,12 @@ def parse(argv=None):
 # --------------------------------------------------------------------------------------------- models
 
 
-def target_config(shape, layers):
-    """The TargetConfig of `shape` (REAL_TARGET / SMOKE_TARGET) cut to its first `layers` layers."""
-    from jaxspec.config import TargetConfig
-
-    s = shape
-    return TargetConfig(
-        layout="qwen3_5_text", vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=layers,
-        layer_types=tuple("full_attention" if (i + 1) % s["interval"] == 0 else "linear_attention"
-                          for i in range(layers)),
-        rms_norm_eps=s["eps"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"], rope_theta=s["rope_theta"], partial_rotary_factor=s["rotary"],
-        linear_num_key_heads=s["gdn_k_heads"], linear_num_value_heads=s["gdn_v_heads"],
-        linear_key_head_dim=s["gdn_dim"], linear_value_head_dim=s["gdn_dim"], linear_conv_kernel_dim=s["conv"],
-        tie_word_embeddings=False, max_position_embeddings=262144, eos_token_id=())
-
-
-def draft_config(shape, tc, block):
-    """The DraftConfig of `shape` (REAL_DRAFT / SMOKE_DRAFT) for target config `tc`."""
-    from jaxspec import train
-    from jaxspec.config import DraftConfig
-
-    s = shape
-    return DraftConfig(
-        hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-        vocab_size=tc.vocab_size, block_size=block, target_layer_ids=train.default_taps(tc.num_hidden_layers, s["taps"]),
-        mask_token_id=tc.vocab_size - 1, target_hidden_size=tc.hidden_size, rms_norm_eps=tc.rms_norm_eps)
-
-
 def spec_config(mode, batch, args):
     from jaxspec.config import SpecConfig
 
-    return SpecConfig(verify_mode=mode, num_slots=batch, max_len=args.max_len, state_dtype="bfloat16",
-                      num_tiers=args.num_tiers)
+    return SpecConfig(
+        verify_mode=mode, num_slots=batch, max_len=args.max_len, state_dtype="bfloat16", num_tiers=args.num_tiers
+    )
 
 
 def _nbytes(tree):
@@ -187,12 +162,17 @@ def _nbytes(tree):
 def param_bytes(tc, dc, itemsize=2):
     """{"target_layers", "target_norm", "embed", "lm_head", "draft"}: weight bytes from the shape tables."""
     import jax
+
     from jaxspec import dflash, weights
 
     count = lambda t: sum(math.prod(s) for s in jax.tree_util.tree_leaves(t, is_leaf=lambda x: isinstance(x, tuple)))
     shapes = weights.param_shapes(tc)
-    out = {"target_layers": count(shapes["layers"]) * itemsize, "target_norm": count(shapes["norm"]) * itemsize,
-           "embed": count(shapes["embed"]) * itemsize, "lm_head": count(shapes.get("lm_head", ())) * itemsize}
+    out = {
+        "target_layers": count(shapes["layers"]) * itemsize,
+        "target_norm": count(shapes["norm"]) * itemsize,
+        "embed": count(shapes["embed"]) * itemsize,
+        "lm_head": count(shapes.get("lm_head", ())) * itemsize,
+    }
     out["draft"] = count(dflash.param_shapes(dc)) * itemsize if dc is not None else 0
     return out
 
@@ -229,7 +209,7 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
 
     act = jnp.dtype(cache_cfg.dtype).itemsize
     state_b = jnp.dtype(cache_cfg.state_dtype).itemsize
-    ring_u_b = 4                     # ring_u: one float32, or a bfloat16 (hi, lo) pair: 4 bytes either way
+    ring_u_b = 4  # ring_u: one float32, or a bfloat16 (hi, lo) pair: 4 bytes either way
     pb = param_bytes(tc, dc)
     g, a = len(tc.gdn_layers), len(tc.attn_layers)
     kvh, d = tc.num_key_value_heads, tc.head_dim
@@ -249,7 +229,8 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
             draft_weights=pb["draft"],
             draft_lm_head=pb["lm_head"],
             draft_embed=batch * blk * tc.hidden_size * act,
-            draft_ctx_kv=dc.num_hidden_layers * (batch * ctx + tokens) * dc.num_key_value_heads * dc.head_dim * 2 * act)
+            draft_ctx_kv=dc.num_hidden_layers * (batch * ctx + tokens) * dc.num_key_value_heads * dc.head_dim * 2 * act,
+        )
         info["draft_logits"] = batch * (blk - 1) * tc.vocab_size * 4
     total = sum(terms.values())
     return {"terms": terms, "info": info, "bytes": total, "ms": total / bandwidth * 1e3}
@@ -269,7 +250,10 @@ def memory_report(args, batch=64, context=8192):
     jax.eval_shape (nothing allocated): {"items": {name: bytes}, "total", "fits", ...}."""
     import jax
     import jax.numpy as jnp
-    from jaxspec import cache as cache_mod, dflash, target as target_mod
+
+    from jaxspec import cache as cache_mod
+    from jaxspec import dflash
+    from jaxspec import target as target_mod
     from jaxspec.spec import estimator
 
     tc = target_config(REAL_TARGET, REAL_TARGET["layers"])
@@ -294,218 +278,39 @@ def memory_report(args, batch=64, context=8192):
         "other state": _nbytes((cache.seq_len, est)) + (batch + 1) * 24,
     }
     total = sum(items.values())
-    return dict(layers=tc.num_hidden_layers, batch=batch, context=context, block=args.block,
-                state_dtype=cache_cfg.state_dtype, ring_dtype=cache_cfg.ring_dtype, items=items,
-                target_params=_nbytes(tgt) // 2, detail_target={k: _nbytes(v) for k, v in tgt.items()},
-                total=total, hbm=HBM_BYTES, fits=total <= HBM_BYTES,
-                note="state arrays have num_slots + 1 rows (slot 0 is the null slot); activations, logits and "
-                     "XLA scratch are not included")
+    return dict(
+        layers=tc.num_hidden_layers,
+        batch=batch,
+        context=context,
+        block=args.block,
+        state_dtype=cache_cfg.state_dtype,
+        ring_dtype=cache_cfg.ring_dtype,
+        items=items,
+        target_params=_nbytes(tgt) // 2,
+        detail_target={k: _nbytes(v) for k, v in tgt.items()},
+        total=total,
+        hbm=HBM_BYTES,
+        fits=total <= HBM_BYTES,
+        note="state arrays have num_slots + 1 rows (slot 0 is the null slot); activations, logits and "
+        "XLA scratch are not included",
+    )
 
 
 def memory_lines(mem):
-    lines = [f"## memory at {mem['layers']} layers, {mem['batch']} slots x {mem['context']} context, block "
-             f"{mem['block']} (state {mem['state_dtype']}, ring {mem['ring_dtype']})", "",
-             "| item | GB |", "|---|---|"]
+    lines = [
+        f"## memory at {mem['layers']} layers, {mem['batch']} slots x {mem['context']} context, block "
+        f"{mem['block']} (state {mem['state_dtype']}, ring {mem['ring_dtype']})",
+        "",
+        "| item | GB |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v / 1e9:.2f} |" for k, v in mem["items"].items()]
-    lines += [f"| **total** | **{mem['total'] / 1e9:.2f}** |", "",
-              f"fits in {mem['hbm'] / 1e9:.0f} GB (H200): {'yes' if mem['fits'] else 'NO'}; " + mem["note"]]
+    lines += [
+        f"| **total** | **{mem['total'] / 1e9:.2f}** |",
+        "",
+        f"fits in {mem['hbm'] / 1e9:.0f} GB (H200): {'yes' if mem['fits'] else 'NO'}; " + mem["note"],
+    ]
     return lines
-
-
-# --------------------------------------------------------------------------------------------- trace parsing
-
-
-def _scope_of_path(path):
-    """The engine scope of an op_name path ("jit(_step)/verify/..."): its first component that is a scope."""
-    if not path or not isinstance(path, str):
-        return None
-    for part in re.split(r"[/:]", path):
-        if part in SCOPES:
-            return part
-    return None
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(")
-_INST = re.compile(r"^\s+(?:ROOT\s+)?%?([^\s=]+)\s*=")
-_OPNAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_CALL_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-
-
-def hlo_scopes(text):
-    """{instruction name: (scope or None, how)} of a compiled HLO module's text. how: "metadata" (the scope
-    of the instruction's metadata op_name), "called" (none of its own: the most common scope among the
-    instructions of the computations it calls: fusions, while bodies, recursively) or "neighbour" (neither:
-    the most common scope of its operands, else of its users, propagated up to 3 times; e.g. the copies XLA
-    adds for donated state, which carry no metadata); (None, None) when nothing gives one."""
-    own, calls, operands, comp_insts = {}, {}, {}, collections.defaultdict(list)
-    comp = None
-    for line in text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            m = _HEADER.match(line)
-            comp = m.group(1) if m else None
-            continue
-        m = _INST.match(line)
-        if not m:
-            continue
-        name = m.group(1)
-        op = _OPNAME.search(line)
-        own[name] = _scope_of_path(op.group(1)) if op else None
-        called = _CALLS.findall(line)
-        for lst in _CALL_LISTS.findall(line):
-            called += [c.strip().lstrip("%") for c in lst.split(",") if c.strip()]
-        calls[name] = called
-        rhs = line[m.end():].split(", metadata=")[0]
-        operands[name] = [o for o in _OPERAND.findall(rhs) if o not in called and o != name]
-        if comp is not None:
-            comp_insts[comp].append(name)
-    memo = {}
-
-    def comp_scope(c, depth=0):
-        if c in memo:
-            return memo[c]
-        memo[c] = None
-        count = collections.Counter()
-        for inst in comp_insts.get(c, ()):
-            s = own.get(inst) or (inst_scope(inst, depth + 1) if depth < 8 else None)
-            if s:
-                count[s] += 1
-        memo[c] = count.most_common(1)[0][0] if count else None
-        return memo[c]
-
-    def inst_scope(name, depth=0):
-        if own.get(name):
-            return own[name]
-        count = collections.Counter(s for c in calls.get(name, ()) if (s := comp_scope(c, depth)))
-        return count.most_common(1)[0][0] if count else None
-
-    out = {}
-    for name in own:
-        scope = inst_scope(name)
-        out[name] = (scope, ("metadata" if own[name] else "called") if scope else None)
-    users = collections.defaultdict(list)
-    for name, ops in operands.items():
-        for o in ops:
-            users[o].append(name)
-    for _ in range(3):
-        changed = False
-        for name, (scope, _how) in list(out.items()):
-            if scope:
-                continue
-            for near in (operands.get(name, ()), users.get(name, ())):
-                count = collections.Counter(out[n][0] for n in near if n in out and out[n][0])
-                if count:
-                    out[name] = (count.most_common(1)[0][0], "neighbour")
-                    changed = True
-                    break
-        if not changed:
-            break
-    return out
-
-
-def _norm_name(name):
-    return re.sub(r"[.\-]", "_", name)
-
-
-def trace_events(fn, calls):
-    """Profile `calls` back-to-back calls of fn (after two untimed ones). Returns (gpu, cpu): gpu a list of
-    (start_ns, dur_ns, kernel name, stats dict, line name) of the GPU planes' stream lines (memcpy / memset
-    included; the caller separates them), cpu the XLA:CPU thunk events (host events with an hlo_op stat)."""
-    import jax
-    from jax.profiler import ProfileData
-
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    gpu, cpu = [], []
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        try:
-            for _ in range(calls):
-                out = fn()
-            jax.block_until_ready(out)
-        finally:
-            jax.profiler.stop_trace()
-        paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        for plane in ProfileData.from_file(paths[0]).planes if paths else ():
-            on_gpu = plane.name.startswith("/device:GPU")
-            for line in plane.lines:
-                if on_gpu and "stream" not in line.name.lower():
-                    continue                         # "XLA Ops" / "XLA Modules" lines are derived
-                for ev in line.events:
-                    stats = {}
-                    for k, v in ev.stats:
-                        stats.setdefault(k, v if isinstance(v, (int, float, str)) else str(v))
-                    if on_gpu:
-                        gpu.append((ev.start_ns, ev.duration_ns, ev.name, stats, line.name))
-                    elif plane.name.startswith("/host") and "hlo_op" in stats:
-                        cpu.append((ev.start_ns, ev.duration_ns, ev.name, stats, line.name))
-    return gpu, cpu
-
-
-def map_events(events, calls, hlo_text_fn):
-    """Per-scope time of traced kernel events. hlo_text_fn() gives the compiled step's HLO text; called
-    only when some event has no op_name path stat. Returns a dict: busy_ms (summed durations / calls),
-    span_ms, by_scope (ms a step), by_source (how each kernel was mapped), by_kernel (top 15 names by time:
-    ms a step, launches a step, scopes), unmapped (first 30), stats (stat names seen), sample (the first 3
-    events' stats), memcpy_ms; None when there is no event."""
-    kernels, copies = [], []
-    for e in events:
-        (copies if "memcpy" in e[2].lower() or "memset" in e[2].lower() else kernels).append(e)
-    if not kernels:
-        return None
-    stat_names = sorted({k for e in kernels for k in e[3]})
-    scopes_by_op = None
-    hlo_error = None
-    by_scope, by_source, unmapped, unmapped_ns = collections.Counter(), collections.Counter(), [], 0
-    kern_ms, kern_n, kern_scopes = collections.Counter(), collections.Counter(), collections.defaultdict(set)
-    for start, dur, name, stats, _ in kernels:
-        scope, source = None, None
-        if str(stats.get("hlo_op", "")).startswith("command_buffer"):
-            # launched from a CUDA graph: the annotation names the graph, not the kernel's own op
-            scope, source = "command_buffer", "command_buffer"
-        for key in PATH_STATS if scope is None else ():
-            if isinstance(stats.get(key), str) and (scope := _scope_of_path(stats[key])):
-                source = "stat:" + key
-                break
-        if scope is None and scopes_by_op is None and hlo_error is None:
-            try:
-                text = hlo_text_fn()
-                scopes_by_op = hlo_scopes(text)
-                scopes_by_op.update({_norm_name(k): v for k, v in list(scopes_by_op.items())})
-            except Exception as e:                          # noqa: BLE001 - recorded, the breakdown goes on
-                hlo_error = repr(e)[:300]
-        if scope is None and scopes_by_op:
-            ops = [o for o in re.split(r"[;,\s]+", str(stats.get("hlo_op", ""))) if o]
-            for key, src in [(op, "hlo_op") for op in reversed(ops)] + [(name, "kernel_name")]:  # innermost first
-                scope, how = scopes_by_op.get(key) or scopes_by_op.get(_norm_name(key)) or (None, None)
-                if scope:
-                    source = f"{src}:{how}"
-                    break
-        if scope is None:
-            scope, source = "other", "unmapped"
-            if len(unmapped) < 30 and name[:160] not in {u["kernel"] for u in unmapped}:
-                unmapped.append({"kernel": name[:160], "hlo_op": str(stats.get("hlo_op", ""))[:120],
-                                 "hlo_module": str(stats.get("hlo_module", ""))[:80]})
-        by_scope[scope] += dur
-        by_source[source] += 1
-        unmapped_ns += dur if source == "unmapped" else 0
-        kern_ms[name] += dur
-        kern_n[name] += 1
-        kern_scopes[name].add(scope)
-    start = min(e[0] for e in kernels)
-    end = max(e[0] + e[1] for e in kernels)
-    per = lambda ns: ns / 1e6 / calls
-    top = [{"kernel": k[:200], "ms": per(v), "launches": kern_n[k] / calls, "scopes": sorted(kern_scopes[k])}
-           for k, v in kern_ms.most_common(15)]
-    return {"busy_ms": per(sum(e[1] for e in kernels)), "span_ms": per(end - start),
-            "kernels_per_step": len(kernels) / calls,
-            "by_scope": {s: per(by_scope[s]) for s in SCOPES + ("command_buffer", "other") if by_scope[s]},
-            "by_source": dict(by_source), "by_kernel": top, "unmapped": unmapped, "unmapped_ms": per(unmapped_ns),
-            "stats": stat_names,
-            "sample": [{k: str(v)[:300] for k, v in e[3].items()} for e in kernels[:3]],
-            "memcpy_ms": per(sum(e[1] for e in copies)), "hlo_error": hlo_error,
-            "modules": sorted({str(e[3].get("hlo_module", "")) for e in kernels})[:10]}
 
 
 # --------------------------------------------------------------------------------------------- stepping
@@ -518,13 +323,22 @@ class Stepper:
     def __init__(self, engine, batch, tier, prompt_len, seed):
         import jax
 
-        self.jax, self.engine, self.batch, self.tier, self.prompt_len, self.seed = jax, engine, batch, tier, prompt_len, seed
+        self.jax, self.engine, self.batch, self.tier, self.prompt_len, self.seed = (
+            jax,
+            engine,
+            batch,
+            tier,
+            prompt_len,
+            seed,
+        )
         if self.capacity() < 1:
-            raise ValueError(f"--max-len {engine.spec.max_len}: no step fits after a {prompt_len}-token prompt "
-                             f"(window {engine.window})")
+            raise ValueError(
+                f"--max-len {engine.spec.max_len}: no step fits after a {prompt_len}-token prompt "
+                f"(window {engine.window})"
+            )
         t = time.perf_counter()
         self.fresh()
-        self.prefill_s = time.perf_counter() - t          # the first one compiles the prefill
+        self.prefill_s = time.perf_counter() - t  # the first one compiles the prefill
 
     def capacity(self):
         return (self.engine.spec.max_len - self.prompt_len) // self.engine.window
@@ -551,7 +365,7 @@ class Stepper:
 
         if not self.calls:
             return None
-        seq = np.asarray(self.engine.state.cache.seq_len)[1:self.batch + 1]
+        seq = np.asarray(self.engine.state.cache.seq_len)[1 : self.batch + 1]
         return float(seq.sum() - self.batch * self.prompt_len) / self.calls
 
     def hlo_text(self):
@@ -577,51 +391,26 @@ def lower_step(engine, batch, tier):
     import numpy as np
 
     e = engine
-    return e._step.lower(e.state, e.target, e.proposer, _slots(e, batch), None, np.bool_(True), greedy=True,
-                         tier=tier)
+    return e._step.lower(e.state, e.target, e.proposer, _slots(e, batch), None, np.bool_(True), greedy=True, tier=tier)
 
 
 def lower_prefill(engine, batch, prompt_len):
     """jax.stages.Lowered of the prefill forced_step(batch, ..., prompt_len=prompt_len) runs."""
     import jax.numpy as jnp
+
     from jaxspec.ops.sampling import SamplingParams
 
     e = engine
-    return e._prefill.lower(e.state, e.target, e.proposer, jnp.zeros((batch, prompt_len), jnp.int32),
-                            jnp.full((batch,), prompt_len, jnp.int32), jnp.asarray(_slots(e, batch)[:batch]),
-                            jnp.zeros((batch, 2), jnp.uint32), SamplingParams.create(batch))
-
-
-def precompile(jobs, workers):
-    """Compile ahead of the calls: jobs [(name, lower_fn)]; each lowered here in turn (tracing holds the
-    GIL), then compiled in a pool of `workers` threads (XLA compiles outside the GIL; on a many-core host
-    the compiles of a batch overlap). The calls then find the executables in jax's caches. Returns {name:
-    {"lower_s", "compile_s" (wall of that compile, overlapping the others), "compiled" (jax.stages.Compiled)
-    or "error"}}."""
-    import concurrent.futures
-
-    out, lowered = {}, []
-    for name, fn in jobs:
-        t = time.perf_counter()
-        try:
-            lowered.append((name, fn()))
-            out[name] = {"lower_s": time.perf_counter() - t}
-        except Exception as e:                               # noqa: BLE001 - the call compiles it instead
-            out[name] = {"error": repr(e)[:300]}
-
-    def compile_one(item):
-        name, low = item
-        t = time.perf_counter()
-        try:
-            compiled = low.compile()
-            return name, {"compile_s": time.perf_counter() - t, "compiled": compiled}
-        except Exception as e:                               # noqa: BLE001
-            return name, {"error": repr(e)[:300]}
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(lowered)))) as pool:
-        for name, res in pool.map(compile_one, lowered):
-            out[name].update(res)
-    return out
+    return e._prefill.lower(
+        e.state,
+        e.target,
+        e.proposer,
+        jnp.zeros((batch, prompt_len), jnp.int32),
+        jnp.full((batch,), prompt_len, jnp.int32),
+        jnp.asarray(_slots(e, batch)[:batch]),
+        jnp.zeros((batch, 2), jnp.uint32),
+        SamplingParams.create(batch),
+    )
 
 
 def time_case(stepper, reps):
@@ -647,11 +436,15 @@ def torch_copy_subprocess(args, notes):
     if args.smoke or args.no_torch_copy or importlib.util.find_spec("torch") is None:
         return
     try:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-copy", "--out", args.out],
-                           capture_output=True, text=True, timeout=180)
+        r = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--torch-copy", "--out", args.out],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         if r.returncode:
             notes.append(f"torch copy subprocess failed (rc {r.returncode}): {r.stderr[-300:]}")
-    except Exception as e:                                   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         notes.append(f"torch copy subprocess failed: {e!r}"[:300])
 
 
@@ -665,13 +458,12 @@ def main(args):
         notes.append("command buffers off (--no-command-buffers): one launch per kernel")
     benchutil.setup_jax(args.smoke)
     import jax
-    import jax.numpy as jnp
 
-    from jaxspec import dflash, target as target_mod
     from jaxspec.engine import Engine
 
-    command = " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), benchutil.ROOT)]
-                       + sys.argv[1:])
+    command = " ".join(
+        shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), benchutil.ROOT)] + sys.argv[1:]
+    )
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     dev = jax.devices()[0]
     batches = [int(x) for x in args.batches.split(",") if x]
@@ -681,13 +473,31 @@ def main(args):
     tshape, dshape = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (REAL_TARGET, REAL_DRAFT)
     tc = target_config(tshape, args.layers)
     dc = draft_config(dshape, tc, args.block)
-    info = dict(command=command, date=date, device=dev.device_kind, backend=jax.default_backend(),
-                jax=jax.__version__, smoke=args.smoke, args=vars(args), notes=notes, compiles=compiles,
-                trace_stats={},
-                target=dict(layers=tc.num_hidden_layers, hidden=tc.hidden_size, vocab=tc.vocab_size,
-                            attn_layers=list(tc.attn_layers), params=param_bytes(tc, dc)),
-                draft=dict(layers=dc.num_hidden_layers, block=dc.block_size, taps=list(dc.target_layer_ids),
-                           mask_token_id=dc.mask_token_id))
+    info = dict(
+        command=command,
+        date=date,
+        device=dev.device_kind,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        smoke=args.smoke,
+        args=vars(args),
+        notes=notes,
+        compiles=compiles,
+        trace_stats={},
+        target=dict(
+            layers=tc.num_hidden_layers,
+            hidden=tc.hidden_size,
+            vocab=tc.vocab_size,
+            attn_layers=list(tc.attn_layers),
+            params=param_bytes(tc, dc),
+        ),
+        draft=dict(
+            layers=dc.num_hidden_layers,
+            block=dc.block_size,
+            taps=list(dc.target_layer_ids),
+            mask_token_id=dc.mask_token_id,
+        ),
+    )
 
     mem = memory_report(args)
     info["memory"] = mem
@@ -697,17 +507,20 @@ def main(args):
     bw_src, bw = benchutil.floor_bandwidth(copies)
     info.update(copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src)
     if bw_src != "torch copy":
-        notes.append(f"floors at the {bw_src} bandwidth ({bw / 1e12:.3f} TB/s; no torch copy measured): "
-                     "optimistic for the step")
+        notes.append(
+            f"floors at the {bw_src} bandwidth ({bw / 1e12:.3f} TB/s; no torch copy measured): optimistic for the step"
+        )
     print(json.dumps(info["copy_TB_per_s"]), flush=True)
 
     t = time.perf_counter()
-    target = target_mod.init_target(tc, jax.random.PRNGKey(args.seed), jnp.bfloat16)
-    draft = dflash.init_draft(dc, jax.random.PRNGKey(args.seed + 1), jnp.bfloat16)
+    target, draft = build(args.layers, args.block, smoke=args.smoke, seed=args.seed)
     jax.block_until_ready((target, draft))
     info["init_s"] = time.perf_counter() - t
-    print(f"models initialised in {info['init_s']:.1f} s: target {_nbytes(target.params) / 1e9:.2f} GB, "
-          f"draft {_nbytes(draft.params) / 1e9:.2f} GB", flush=True)
+    print(
+        f"models initialised in {info['init_s']:.1f} s: target {_nbytes(target.params) / 1e9:.2f} GB, "
+        f"draft {_nbytes(draft.params) / 1e9:.2f} GB",
+        flush=True,
+    )
 
     def over_budget():
         return time.time() - t_start > args.budget_s
@@ -732,16 +545,30 @@ def main(args):
         stepper = Stepper(engine, b, tier, args.prompt_len, args.seed)
         first_s, ms, times, committed = time_case(stepper, args.reps)
         tokens = round(committed) if committed is not None else tier
-        ctx = args.prompt_len + tokens / b * (args.reps + 1) / 2             # the mean context of the timed calls
-        floor = step_floor(tc, dc if spec else None, engine.cache_config, batch=b, tokens=tokens, ctx=ctx,
-                           bandwidth=bw)
-        res = dict(tier=tier, ms=ms, times_ms=times, first_call_s=first_s, prefill_first_s=stepper.prefill_s,
-                   compile_s=pre.get("compile_s"), lower_s=pre.get("lower_s"), precompile_error=pre.get("error"),
-                   tokens_per_step=committed, ctx_mean=ctx, floor_ms=floor["ms"], floor_ratio=ms / floor["ms"],
-                   floor_terms_bytes=floor["terms"], floor_info_bytes=floor["info"])
-        print(f"batch {b} {engine.spec.verify_mode} tier {tier}: {ms:.3f} ms (compile {fmt_s(pre.get('compile_s'))}, "
-              f"first call {first_s:.1f} s, tokens/step {committed}); "
-              + floor_line(f"{engine.spec.verify_mode} b{b}", floor, bw), flush=True)
+        ctx = args.prompt_len + tokens / b * (args.reps + 1) / 2  # the mean context of the timed calls
+        floor = step_floor(tc, dc if spec else None, engine.cache_config, batch=b, tokens=tokens, ctx=ctx, bandwidth=bw)
+        res = dict(
+            tier=tier,
+            ms=ms,
+            times_ms=times,
+            first_call_s=first_s,
+            prefill_first_s=stepper.prefill_s,
+            compile_s=pre.get("compile_s"),
+            lower_s=pre.get("lower_s"),
+            precompile_error=pre.get("error"),
+            tokens_per_step=committed,
+            ctx_mean=ctx,
+            floor_ms=floor["ms"],
+            floor_ratio=ms / floor["ms"],
+            floor_terms_bytes=floor["terms"],
+            floor_info_bytes=floor["info"],
+        )
+        print(
+            f"batch {b} {engine.spec.verify_mode} tier {tier}: {ms:.3f} ms (compile {fmt_s(pre.get('compile_s'))}, "
+            f"first call {first_s:.1f} s, tokens/step {committed}); "
+            + floor_line(f"{engine.spec.verify_mode} b{b}", floor, bw),
+            flush=True,
+        )
         if trace and args.trace_calls > 0:
             try:
                 stepper.ensure(2 + args.trace_calls)
@@ -764,10 +591,13 @@ def main(args):
                         seen[:] = sorted(set(seen) | set(res[key]["stats"]))
                 g = res["gpu"]
                 if g:
-                    print(f"  GPU busy {g['busy_ms']:.3f} ms a step ({g['kernels_per_step']:.0f} kernels): "
-                          + ", ".join(f"{k} {v:.3f}" for k, v in g["by_scope"].items())
-                          + f"; mapped by {g['by_source']}; stats {g['stats']}", flush=True)
-            except Exception as e:                           # noqa: BLE001 - the timings stand without it
+                    print(
+                        f"  GPU busy {g['busy_ms']:.3f} ms a step ({g['kernels_per_step']:.0f} kernels): "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in g["by_scope"].items())
+                        + f"; mapped by {g['by_source']}; stats {g['stats']}",
+                        flush=True,
+                    )
+            except Exception as e:  # noqa: BLE001 - the timings stand without it
                 res["trace_error"] = repr(e)[:500]
                 notes.append(f"batch {b} {engine.spec.verify_mode}: trace failed: {e!r}"[:300])
         return res
@@ -776,7 +606,7 @@ def main(args):
         """fn(*a), or None with a note when it raises (e.g. out of memory): the other cases go on."""
         try:
             return fn(*a)
-        except Exception as e:                               # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             notes.append(f"{name} failed: {e!r}"[:400])
             print(f"{name} failed: {e!r}"[:2000], flush=True)
             return None
@@ -788,10 +618,19 @@ def main(args):
         t = time.perf_counter()
         out = precompile(jobs, args.compile_workers)
         wall = time.perf_counter() - t
-        compiles.append(dict(batch=b, wall_s=wall, workers=args.compile_workers,
-                             programs={k: {kk: vv for kk, vv in v.items() if kk != "compiled"} for k, v in out.items()}))
-        print(f"batch {b}: compiled {len(jobs)} programs in {wall:.1f} s ({args.compile_workers} workers): "
-              + ", ".join(f"{k} {fmt_s(v.get('compile_s'))}" for k, v in out.items()), flush=True)
+        compiles.append(
+            dict(
+                batch=b,
+                wall_s=wall,
+                workers=args.compile_workers,
+                programs={k: {kk: vv for kk, vv in v.items() if kk != "compiled"} for k, v in out.items()},
+            )
+        )
+        print(
+            f"batch {b}: compiled {len(jobs)} programs in {wall:.1f} s ({args.compile_workers} workers): "
+            + ", ".join(f"{k} {fmt_s(v.get('compile_s'))}" for k, v in out.items()),
+            flush=True,
+        )
         for k, v in out.items():
             if "error" in v:
                 notes.append(f"batch {b}: precompile of {k} failed ({v['error'][:200]}); its first call compiles it")
@@ -808,19 +647,24 @@ def main(args):
                 full = static.tier_tokens[-1]
         jobs = []
         if none is not None:
-            jobs += [("none prefill", lambda: lower_prefill(none, b, args.prompt_len)),
-                     ("none step", lambda: lower_step(none, b, b))]
+            jobs += [
+                ("none prefill", lambda: lower_prefill(none, b, args.prompt_len)),
+                ("none step", lambda: lower_step(none, b, b)),
+            ]
         if full is not None:
-            jobs += [("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
-                     ("static step", lambda: lower_step(static, b, full))]
+            jobs += [
+                ("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
+                ("static step", lambda: lower_step(static, b, full)),
+            ]
         pre = compile_group(b, jobs)
         if none is not None and not over_budget():
             rows[b]["none"] = guarded(f"batch {b} none", case, none, b, b, True, False, pre.get("none step", {}))
             print(row_line(dump(), b), flush=True)
-        del none                                            # its state off the device before the next one
+        none = None  # its state off the device before the next one
         if full is not None and not over_budget():
-            rows[b]["spec_full"] = guarded(f"batch {b} static", case, static, b, full, True, True,
-                                           pre.get("static step", {}))
+            rows[b]["spec_full"] = guarded(
+                f"batch {b} static", case, static, b, full, True, True, pre.get("static step", {})
+            )
             print(row_line(dump(), b), flush=True)
 
     def pass2(b):
@@ -831,13 +675,17 @@ def main(args):
         tiers = [ladder[j] for j in sorted(tiers_chosen(ladder)) if j < len(ladder) - 1 or args.compact_full]
         if not tiers:
             return
-        pre = compile_group(b, [("spec prefill", lambda: lower_prefill(compact, b, args.prompt_len))]
-                            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t)) for t in tiers])
+        pre = compile_group(
+            b,
+            [("spec prefill", lambda: lower_prefill(compact, b, args.prompt_len))]
+            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t)) for t in tiers],
+        )
         for tier in tiers:
             if over_budget():
                 break
-            res = guarded(f"batch {b} compact {tier}", case, compact, b, tier, False, True,
-                          pre.get(f"compact step {tier}", {}))
+            res = guarded(
+                f"batch {b} compact {tier}", case, compact, b, tier, False, True, pre.get(f"compact step {tier}", {})
+            )
             if res is not None:
                 rows[b]["compact"][tier] = res
             print(row_line(dump(), b), flush=True)
@@ -846,7 +694,7 @@ def main(args):
         for b in batches if wanted else ():
             if over_budget():
                 break
-            guarded(f"batch {b} {run_pass.__name__}", run_pass, b)      # e.g. out of memory: the next batch goes on
+            guarded(f"batch {b} {run_pass.__name__}", run_pass, b)  # e.g. out of memory: the next batch goes on
     if over_budget():
         notes.append(f"stopped early: --budget-s {args.budget_s} reached")
     lines = dump()
@@ -868,38 +716,51 @@ def markdown(info, rows, mem, bw_src, bw):
     last row, what the script prints after each case)."""
     fmt = lambda v, d=3: "–" if v is None else f"{v:.{d}f}"
     attn = info["target"]["attn_layers"]
-    lines = [f"# real-shape engine step, {info['device']} ({info['backend']}), jax {info['jax']}"
-             + (" — SMOKE (CPU, tiny config: no meaning as timings)" if info["smoke"] else ""), "",
-             f"command: `{info['command']}`, {info['date']}; target {info['target']['layers']} layers "
-             f"(attention at {attn[:8]}{'…' if len(attn) > 8 else ''}), draft {info['draft']['layers']} layers, "
-             f"block {info['draft']['block']}, taps {info['draft']['taps']}; floors at {bw_src} {bw / 1e12:.3f} TB/s",
-             ""]
+    lines = [
+        f"# real-shape engine step, {info['device']} ({info['backend']}), jax {info['jax']}"
+        + (" — SMOKE (CPU, tiny config: no meaning as timings)" if info["smoke"] else ""),
+        "",
+        f"command: `{info['command']}`, {info['date']}; target {info['target']['layers']} layers "
+        f"(attention at {attn[:8]}{'…' if len(attn) > 8 else ''}), draft {info['draft']['layers']} layers, "
+        f"block {info['draft']['block']}, taps {info['draft']['taps']}; floors at {bw_src} {bw / 1e12:.3f} TB/s",
+        "",
+    ]
     lines += memory_lines(mem) + [""]
     comp = []
     for r in rows.values():
-        for name, res in [("none", r["none"]), ("static (full)", r["spec_full"])] + \
-                         [(f"compact {t}", v) for t, v in r["compact"].items()]:
+        for name, res in [("none", r["none"]), ("static (full)", r["spec_full"])] + [
+            (f"compact {t}", v) for t, v in r["compact"].items()
+        ]:
             if res:
-                comp.append(f"| {r['batch']} | {name} | {res['tier']} | {fmt(res['lower_s'], 1)} "
-                            f"| {fmt(res['compile_s'], 1)} | {res['prefill_first_s']:.1f} | {res['first_call_s']:.1f} |")
+                comp.append(
+                    f"| {r['batch']} | {name} | {res['tier']} | {fmt(res['lower_s'], 1)} "
+                    f"| {fmt(res['compile_s'], 1)} | {res['prefill_first_s']:.1f} | {res['first_call_s']:.1f} |"
+                )
     if comp:
-        groups = "; ".join(f"batch {c['batch']}: {len(c['programs'])} programs in {c['wall_s']:.1f} s"
-                           for c in info["compiles"])
-        lines += ["## compile (s; lower + compile: ahead of the calls, a batch's programs compiled "
-                  f"together in --compile-workers {info['args']['compile_workers']} threads, so the compiles of a "
-                  "group overlap; prefill: the first forced_step (its prefill: compiled ahead, or here); first "
-                  "call: wall of the first step (its compile when not ahead))", "",
-                  "| batch | step | tier | lower s | compile s | prefill s | first call s |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += comp + ([f"", f"groups: {groups}"] if groups else []) + [""]
+        groups = "; ".join(
+            f"batch {c['batch']}: {len(c['programs'])} programs in {c['wall_s']:.1f} s" for c in info["compiles"]
+        )
+        lines += [
+            "## compile (s; lower + compile: ahead of the calls, a batch's programs compiled "
+            f"together in --compile-workers {info['args']['compile_workers']} threads, so the compiles of a "
+            "group overlap; prefill: the first forced_step (its prefill: compiled ahead, or here); first "
+            "call: wall of the first step (its compile when not ahead))",
+            "",
+            "| batch | step | tier | lower s | compile s | prefill s | first call s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += comp + (["", f"groups: {groups}"] if groups else []) + [""]
     if info["notes"]:
         lines += [f"- {x}" for x in info["notes"]] + [""]
-    lines += ["## steps (wall ms a synchronised step, median; floor: HBM bytes / copy bandwidth; spec full = "
-              "static, every row verifies its block; compact tier t verifies t tokens; breakdown: GPU busy ms "
-              "of the spec full step by engine scope)", "",
-              "| batch | none ms | none floor ms | none / floor | spec tier → ms | spec full ms | spec floor ms "
-              "| spec / floor | spec / none | spec busy ms | breakdown ms (spec full) | none busy ms | made |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## steps (wall ms a synchronised step, median; floor: HBM bytes / copy bandwidth; spec full = "
+        "static, every row verifies its block; compact tier t verifies t tokens; breakdown: GPU busy ms "
+        "of the spec full step by engine scope)",
+        "",
+        "| batch | none ms | none floor ms | none / floor | spec tier → ms | spec full ms | spec floor ms "
+        "| spec / floor | spec / none | spec busy ms | breakdown ms (spec full) | none busy ms | made |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows.values():
         n, s = r["none"], r["spec_full"]
         tiers = ", ".join(f"{t}→{v['ms']:.2f}" for t, v in r["compact"].items()) or "–"
@@ -909,7 +770,8 @@ def markdown(info, rows, mem, bw_src, bw):
             f"| {r['batch']} | {fmt(n and n['ms'])} | {fmt(n and n['floor_ms'])} | {fmt(n and n['floor_ratio'], 2)} "
             f"| {tiers} | {fmt(s and s['ms'])} | {fmt(s and s['floor_ms'])} | {fmt(s and s['floor_ratio'], 2)} "
             f"| {fmt(s['ms'] / n['ms'] if s and n else None, 2)} | {fmt(sg and sg['busy_ms'])} | {brk} "
-            f"| {fmt(ng and ng['busy_ms'])} | {r['date']} |")
+            f"| {fmt(ng and ng['busy_ms'])} | {r['date']} |"
+        )
     return lines
 
 

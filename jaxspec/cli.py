@@ -1,10 +1,11 @@
-"""`jaxspec` command line: generate, profile, estimator, train (target | draft), info.
+"""`jaxspec` command line: generate, profile, bench, estimator, train (target | draft), info.
 
 Every failure a user can cause (arguments, paths, checkpoints, configs, cost tables, output
 paths) exits with status 2 and one line on stderr, `jaxspec: error: argument X: ...`, naming the
 argument and the file; `--debug` shows the traceback instead. Output paths are checked before any
 long work starts. Any other exception is an internal error: one line, status 1 (`--debug` shows it).
 """
+
 import argparse
 import contextlib
 import json
@@ -74,6 +75,7 @@ def _output_dir_problem(path) -> str | None:
 
 def _bounded(name, cast, kind, rule, ok):
     """argparse type: `cast` of the text, kept only where ok(value); messages name the argument."""
+
     def parse(text):
         try:
             value = cast(text)
@@ -82,6 +84,7 @@ def _bounded(name, cast, kind, rule, ok):
         if not ok(value):
             raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {value}")
         return value
+
     return parse
 
 
@@ -110,28 +113,44 @@ def _parser():
     sub = parser.add_subparsers(dest="command", required=True)
     add = lambda name, **kw: sub.add_parser(name, parents=[common], **kw)
     gen = add("generate", help="decode prompts with a target and a draft")
-    gen.add_argument("--target", default=DEFAULT_TARGET,
-                     help="target checkpoint directory (HF layout; default: the shipped models/tiny-target)")
-    gen.add_argument("--draft", help="DFlash draft directory (needed unless --verify-mode none; default: "
-                     "models/tiny-dflash when the target is the shipped one)")
+    gen.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="target checkpoint directory (HF layout; default: the shipped models/tiny-target)",
+    )
+    gen.add_argument(
+        "--draft",
+        help="DFlash draft directory (needed unless --verify-mode none; default: "
+        "models/tiny-dflash when the target is the shipped one)",
+    )
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     gen.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
     gen.add_argument("--verify-mode", choices=VERIFY_MODES, default="static")
     gen.add_argument("--temperature", type=_non_negative_float("--temperature"), default=0.0)
     gen.add_argument("--top-k", type=_non_negative_int("--top-k"), default=0, help="0: off")
-    gen.add_argument("--top-p", type=_bounded("--top-p", float, "a number", "in (0, 1]", lambda v: 0 < v <= 1),
-                     default=1.0)
+    gen.add_argument(
+        "--top-p", type=_bounded("--top-p", float, "a number", "in (0, 1]", lambda v: 0 < v <= 1), default=1.0
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
     gen.add_argument("--max-len", type=positive_int("--max-len"), default=1024)
-    gen.add_argument("--block-size", type=_bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
-                     help="verify window (anchor + block_size - 1 drafts; default: the draft's block)")
-    gen.add_argument("--warmup", action="store_true", help="decode the prompts once first, so tokens/s "
-                     "leaves compilation out (without it, a speed that includes compilation says so)")
-    gen.add_argument("--compare-none", action="store_true", help="also decode with the target alone "
-                     "(verify mode none) and print both speeds")
-    gen.add_argument("--cost-table", help="profiled cost table JSON (from `jaxspec profile`) for "
-                     "cap-accept / compact")
+    gen.add_argument(
+        "--block-size",
+        type=_bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
+        help="verify window (anchor + block_size - 1 drafts; default: the draft's block)",
+    )
+    gen.add_argument(
+        "--warmup",
+        action="store_true",
+        help="decode the prompts once first, so tokens/s "
+        "leaves compilation out (without it, a speed that includes compilation says so)",
+    )
+    gen.add_argument(
+        "--compare-none",
+        action="store_true",
+        help="also decode with the target alone (verify mode none) and print both speeds",
+    )
+    gen.add_argument("--cost-table", help="profiled cost table JSON (from `jaxspec profile`) for cap-accept / compact")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     prof = add("profile", help="time the verify step per (batch, tier); write the cost table")
     prof.add_argument("--target", required=True)
@@ -142,12 +161,27 @@ def _parser():
     prof.add_argument("--repeats", type=positive_int("--repeats"), default=10)
     prof.add_argument("--out", required=True, help="cost table JSON to write")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from jaxspec.bench import sweep
     from jaxspec.spec import calibration
 
-    calibration.add_arguments(add("estimator", help="AUC and calibration of the acceptance estimator on a "
-                                  "recorded trace"))
-    _train_parser(sub.add_parser("train", help="train the tiny byte-level target or a DFlash draft on the "
-                                 "Python standard library's source (jaxspec.train)"), common)
+    sweep.add_arguments(
+        add(
+            "bench",
+            help="decode tokens/s against concurrency for verify modes none, static and "
+            "compact (closed-loop client; results.json, results.md, PNGs)",
+        )
+    )
+    calibration.add_arguments(
+        add("estimator", help="AUC and calibration of the acceptance estimator on a recorded trace")
+    )
+    _train_parser(
+        sub.add_parser(
+            "train",
+            help="train the tiny byte-level target or a DFlash draft on the "
+            "Python standard library's source (jaxspec.train)",
+        ),
+        common,
+    )
     info = add("info", help="print the config of a target or a draft checkpoint, or a cost table")
     info.add_argument("path", help="checkpoint directory, its config.json, or a cost table JSON")
     return parser
@@ -159,8 +193,12 @@ def _train_parser(train, common):
     target = what.add_parser("target", parents=[common], help="train a byte-level GDN-hybrid target from scratch")
     draft = what.add_parser("draft", parents=[common], help="train a DFlash draft against a frozen target")
     for p, steps in ((target, 2000), (draft, 2000)):
-        p.add_argument("--out", required=True, help="checkpoint directory to write (HF layout + metrics.json "
-                       "+ loss_curve.png); rewritten at every evaluation")
+        p.add_argument(
+            "--out",
+            required=True,
+            help="checkpoint directory to write (HF layout + metrics.json "
+            "+ loss_curve.png); rewritten at every evaluation",
+        )
         p.add_argument("--steps", type=positive_int("--steps"), default=steps)
         p.add_argument("--batch", type=positive_int("--batch"), default=32, help="sequences per step")
         p.add_argument("--seq-len", type=positive_int("--seq-len"), default=512, help="tokens (bytes) per sequence")
@@ -168,38 +206,61 @@ def _train_parser(train, common):
         p.add_argument("--warmup", type=_non_negative_int("--warmup"), default=100, help="linear warmup steps")
         p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.1)
         p.add_argument("--grad-clip", type=_positive_float("--grad-clip"), default=1.0)
-        p.add_argument("--eval-every", type=_non_negative_int("--eval-every"), default=200,
-                       help="steps between held-out evaluations and checkpoints (0: only at the end)")
+        p.add_argument(
+            "--eval-every",
+            type=_non_negative_int("--eval-every"),
+            default=200,
+            help="steps between held-out evaluations and checkpoints (0: only at the end)",
+        )
         p.add_argument("--eval-batches", type=positive_int("--eval-batches"), default=8)
         p.add_argument("--log-every", type=positive_int("--log-every"), default=10)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="dtype of the saved weights")
-        p.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="dtype of the forward pass (master weights stay float32)")
-        p.add_argument("--corpus", help="directory whose *.py files are the corpus (default: the running "
-                       "Python's standard library)")
-        p.add_argument("--time-limit", type=_positive_float("--time-limit"),
-                       help="seconds after which training stops early, evaluates and saves")
+        p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of the saved weights")
+        p.add_argument(
+            "--compute-dtype",
+            choices=("float32", "bfloat16"),
+            default="float32",
+            help="dtype of the forward pass (master weights stay float32)",
+        )
+        p.add_argument(
+            "--corpus",
+            help="directory whose *.py files are the corpus (default: the running Python's standard library)",
+        )
+        p.add_argument(
+            "--time-limit",
+            type=_positive_float("--time-limit"),
+            help="seconds after which training stops early, evaluates and saves",
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     target.add_argument("--hidden-size", type=positive_int("--hidden-size"), default=256)
-    target.add_argument("--intermediate-size", type=positive_int("--intermediate-size"),
-                        help="MLP width (default 3 x hidden size)")
+    target.add_argument(
+        "--intermediate-size", type=positive_int("--intermediate-size"), help="MLP width (default 3 x hidden size)"
+    )
     target.add_argument("--layers", type=positive_int("--layers"), default=8)
-    target.add_argument("--full-attention-interval", type=positive_int("--full-attention-interval"), default=4,
-                        help="layer i is full attention iff (i + 1) %% interval == 0")
-    target.add_argument("--head-dim", type=positive_int("--head-dim"), default=64,
-                        help="attention and GDN head dim")
+    target.add_argument(
+        "--full-attention-interval",
+        type=positive_int("--full-attention-interval"),
+        default=4,
+        help="layer i is full attention iff (i + 1) %% interval == 0",
+    )
+    target.add_argument("--head-dim", type=positive_int("--head-dim"), default=64, help="attention and GDN head dim")
     draft.add_argument("--target", required=True, help="the frozen target's checkpoint directory")
     draft.add_argument("--layers", type=positive_int("--layers"), default=2, help="draft decoder layers")
     draft.add_argument("--block-size", type=positive_int("--block-size"), default=8)
-    draft.add_argument("--taps", help="comma-separated target layers whose outputs feed the draft "
-                       "(default: evenly spaced from 1 to layers - 3)")
-    draft.add_argument("--intermediate-size", type=positive_int("--intermediate-size"),
-                       help="MLP width (default 3 x hidden size)")
+    draft.add_argument(
+        "--taps",
+        help="comma-separated target layers whose outputs feed the draft (default: evenly spaced from 1 to layers - 3)",
+    )
+    draft.add_argument(
+        "--intermediate-size", type=positive_int("--intermediate-size"), help="MLP width (default 3 x hidden size)"
+    )
     draft.add_argument("--anchors", type=positive_int("--anchors"), default=16, help="random blocks per sequence")
-    draft.add_argument("--gamma", type=_positive_float("--gamma"), default=4.0,
-                       help="loss weight of block position k is exp(-(k-1)/gamma)")
+    draft.add_argument(
+        "--gamma",
+        type=_positive_float("--gamma"),
+        default=4.0,
+        help="loss weight of block position k is exp(-(k-1)/gamma)",
+    )
 
 
 def _train(args, parser):
@@ -211,26 +272,47 @@ def _train(args, parser):
             parser.error(f"argument --corpus: {args.corpus!r} is not a directory")
         n_train, n_held_out = map(len, train.corpus_files(args.corpus))
         if not n_train or not n_held_out:
-            parser.error(f"argument --corpus: {args.corpus!r} has {n_train} training and {n_held_out} held-out "
-                         f"*.py files; both splits need some (held out: {', '.join(train.HELD_OUT_MODULES)})")
+            parser.error(
+                f"argument --corpus: {args.corpus!r} has {n_train} training and {n_held_out} held-out "
+                f"*.py files; both splits need some (held out: {', '.join(train.HELD_OUT_MODULES)})"
+            )
     problem = _output_dir_problem(args.out)
     if problem:
         parser.error(f"argument --out: {problem}")
     with parser.blame("--out"):
         train.check_out_dir(args.out)
-    common = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-                  weight_decay=args.weight_decay, grad_clip=args.grad_clip, out_dir=args.out,
-                  eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
-                  seed=args.seed, save_dtype=args.dtype, compute_dtype=args.compute_dtype,
-                  corpus_root=args.corpus, progress=not args.no_progress, time_limit=args.time_limit)
+    common = dict(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        out_dir=args.out,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        log_every=args.log_every,
+        seed=args.seed,
+        save_dtype=args.dtype,
+        compute_dtype=args.compute_dtype,
+        corpus_root=args.corpus,
+        progress=not args.no_progress,
+        time_limit=args.time_limit,
+    )
     if args.what == "target":
         if args.head_dim % 8:
-            parser.error(f"argument --head-dim: must be a multiple of 8 (rotary on an even quarter), "
-                         f"got {args.head_dim}")
+            parser.error(
+                f"argument --head-dim: must be a multiple of 8 (rotary on an even quarter), got {args.head_dim}"
+            )
         config = train.tiny_target_config(
-            hidden_size=args.hidden_size, num_hidden_layers=args.layers, intermediate_size=args.intermediate_size,
-            full_attention_interval=args.full_attention_interval, head_dim=args.head_dim,
-            max_position_embeddings=max(4096, args.seq_len))
+            hidden_size=args.hidden_size,
+            num_hidden_layers=args.layers,
+            intermediate_size=args.intermediate_size,
+            full_attention_interval=args.full_attention_interval,
+            head_dim=args.head_dim,
+            max_position_embeddings=max(4096, args.seq_len),
+        )
         _, metrics = _run_training(parser, lambda: train.train_target(config, **common))
     else:
         from jaxspec.target import load_target
@@ -252,28 +334,50 @@ def _train(args, parser):
         if args.block_size < 2 or args.block_size > 64:
             parser.error(f"argument --block-size: must be in 2..64, got {args.block_size}")
         if args.seq_len - args.block_size < args.anchors:
-            parser.error(f"argument --anchors: {args.anchors} distinct anchors do not fit in --seq-len "
-                         f"{args.seq_len} with --block-size {args.block_size} (at most seq_len - block_size)")
+            parser.error(
+                f"argument --anchors: {args.anchors} distinct anchors do not fit in --seq-len "
+                f"{args.seq_len} with --block-size {args.block_size} (at most seq_len - block_size)"
+            )
         try:
-            config = train.tiny_draft_config(target.config, num_hidden_layers=args.layers,
-                                             block_size=args.block_size, target_layer_ids=taps,
-                                             intermediate_size=args.intermediate_size)
+            config = train.tiny_draft_config(
+                target.config,
+                num_hidden_layers=args.layers,
+                block_size=args.block_size,
+                target_layer_ids=taps,
+                intermediate_size=args.intermediate_size,
+            )
         except ValueError as e:
             parser.error(str(e))
-        _, metrics = _run_training(parser, lambda: train.train_draft(
-            target, config, anchors_per_seq=args.anchors, gamma=args.gamma,
-            target_path=os.path.abspath(args.target), **common))
+        _, metrics = _run_training(
+            parser,
+            lambda: train.train_draft(
+                target,
+                config,
+                anchors_per_seq=args.anchors,
+                gamma=args.gamma,
+                target_path=os.path.abspath(args.target),
+                **common,
+            ),
+        )
     last = metrics["eval"][-1]
     rate = metrics["tokens_per_s"]
-    print(json.dumps({"out": args.out, "steps": metrics["last_step"], "tokens_per_s": rate and round(rate, 1),
-                      "held_out": {k: v for k, v in last.items() if k != "step"}}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "steps": metrics["last_step"],
+                "tokens_per_s": rate and round(rate, 1),
+                "held_out": {k: v for k, v in last.items() if k != "step"},
+            }
+        )
+    )
     return 0
 
 
 def _run_training(parser, fn):
     try:
         return fn()
-    except ValueError as e:   # what the flags' own checks cannot see (e.g. a corpus too small for --seq-len)
+    except ValueError as e:  # what the flags' own checks cannot see (e.g. a corpus too small for --seq-len)
         parser.error(str(e))
 
 
@@ -290,8 +394,10 @@ def _encode_prompts(parser, texts, tokenizer) -> list[list[int]]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            parser.error(f"argument --prompt: prompt {i} is not valid UTF-8 text (byte "
-                         f"{os.fsencode(text[e.start:e.end])!r} at character {e.start})")
+            parser.error(
+                f"argument --prompt: prompt {i} is not valid UTF-8 text (byte "
+                f"{os.fsencode(text[e.start : e.end])!r} at character {e.start})"
+            )
         ids = tokenizer.encode(text)
         if not ids:
             parser.error(f"argument --prompt: prompt {i} is empty")
@@ -304,9 +410,11 @@ def _check_lengths(parser, args, prompts, window):
     for i, ids in enumerate(prompts):
         need = len(ids) + args.max_new_tokens + window
         if need > args.max_len:
-            parser.error(f"argument --max-new-tokens: prompt {i} ({len(ids)} tokens) + --max-new-tokens "
-                         f"{args.max_new_tokens} + the verify window {window} = {need} exceeds --max-len "
-                         f"{args.max_len}")
+            parser.error(
+                f"argument --max-new-tokens: prompt {i} ({len(ids)} tokens) + --max-new-tokens "
+                f"{args.max_new_tokens} + the verify window {window} = {need} exceeds --max-len "
+                f"{args.max_len}"
+            )
 
 
 def _speed(stats) -> str:
@@ -344,16 +452,27 @@ def _generate(args, parser):
         with parser.blame("--draft"):
             draft = load_draft(args.draft, target)
         if args.block_size is not None and args.block_size > draft.config.block_size:
-            parser.error(f"argument --block-size: {args.block_size} exceeds the draft's block of "
-                         f"{draft.config.block_size}")
+            parser.error(
+                f"argument --block-size: {args.block_size} exceeds the draft's block of {draft.config.block_size}"
+            )
 
     def decode(mode, engine_draft, table):
-        spec = SpecConfig(verify_mode=mode, num_slots=args.num_slots, max_len=args.max_len,
-                          block_size=args.block_size if mode != "none" else None)
+        spec = SpecConfig(
+            verify_mode=mode,
+            num_slots=args.num_slots,
+            max_len=args.max_len,
+            block_size=args.block_size if mode != "none" else None,
+        )
         engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
         _check_lengths(parser, args, prompts, engine.window)
-        run = lambda: engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        run = lambda: engine.generate(
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
         if args.warmup:
             run()
         return run()
@@ -379,12 +498,18 @@ def _generate(args, parser):
         if r.error is not None:
             print(f"{parser.prog}: error: {r.error}", file=sys.stderr)
             continue
-        print(f"[{args.verify_mode}: {len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
-              f"{r.stats['accept_length']:.2f}, {_speed(r.stats)}]", file=sys.stderr)
+        print(
+            f"[{args.verify_mode}: {len(r.tokens)} tokens, {r.stats['steps']} steps, accept length "
+            f"{r.stats['accept_length']:.2f}, {_speed(r.stats)}]",
+            file=sys.stderr,
+        )
         if base is not None:
             same = "the same tokens" if base.tokens == r.tokens else "different tokens"
-            print(f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
-                  f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]", file=sys.stderr)
+            print(
+                f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
+                f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 
@@ -416,10 +541,13 @@ def _profile(args, parser):
     prompt_len = 8
     need = prompt_len + (args.repeats + 1) * engine.window
     if need > args.max_len:
-        parser.error(f"argument --max-len: a prompt of {prompt_len} + (--repeats {args.repeats} + 1) verify windows "
-                     f"of {engine.window} = {need} tokens exceed --max-len {args.max_len}")
+        parser.error(
+            f"argument --max-len: a prompt of {prompt_len} + (--repeats {args.repeats} + 1) verify windows "
+            f"of {engine.window} = {need} tokens exceed --max-len {args.max_len}"
+        )
     entries = sum(tier >= b for b in batches for tier in engine.tier_tokens)
     with tqdm(total=entries, desc="profile", unit="entry", disable=args.no_progress, dynamic_ncols=True) as bar:
+
         def progress(batch, tokens, seconds):
             bar.set_postfix_str(f"batch {batch} tokens {tokens}: {seconds * 1e3:.2f} ms")
             bar.update(1)
@@ -469,6 +597,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     parser.debug = args.debug
     try:
+        if args.command == "bench":
+            from jaxspec.bench import sweep
+
+            return sweep.run(args, parser, argv=(sys.argv[1:] if argv is None else list(argv))[1:])
         if args.command == "estimator":
             from jaxspec.spec import calibration
 
@@ -478,11 +610,12 @@ def main(argv=None):
         if args.debug:
             raise
         parser.exit(130, f"{parser.prog}: interrupted\n")
-    except Exception as e:                 # noqa: BLE001 - the one place every other failure ends
+    except Exception as e:  # noqa: BLE001 - the one place every other failure ends
         if args.debug:
             raise
-        parser.exit(1, f"{parser.prog}: internal error: {type(e).__name__}: {_one_line(e)} (--debug shows the "
-                       f"traceback)\n")
+        parser.exit(
+            1, f"{parser.prog}: internal error: {type(e).__name__}: {_one_line(e)} (--debug shows the traceback)\n"
+        )
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ A bad value raises `ValueError` whose message names the field, the value and the
 implement yet (mixture-of-experts MLPs, scaled RoPE, attention biases) raises
 `NotImplementedError` naming the field that asks for it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -92,11 +94,21 @@ class TargetConfig:
 
         if self.layout not in LAYOUTS:
             raise bad("layout", f"must be one of {LAYOUTS}")
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                      "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "linear_conv_kernel_dim",
-                      "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not _is_int(value) or value <= 0:
                 raise bad(field, "must be a positive int")
@@ -104,28 +116,28 @@ class TargetConfig:
             if not _is_real(getattr(self, field)) or not getattr(self, field) > 0:
                 raise bad(field, "must be a positive number")
         if len(self.layer_types) != self.num_hidden_layers:
-            raise bad("layer_types", f"must have num_hidden_layers={self.num_hidden_layers} "
-                                     "entries")
+            raise bad("layer_types", f"must have num_hidden_layers={self.num_hidden_layers} entries")
         if any(t not in LAYER_TYPES for t in self.layer_types):
             raise bad("layer_types", f"every entry must be one of {LAYER_TYPES}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise bad("linear_num_value_heads", "must be a multiple of "
-                      f"linear_num_key_heads={self.linear_num_key_heads}")
+            raise bad(
+                "linear_num_value_heads", f"must be a multiple of linear_num_key_heads={self.linear_num_key_heads}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise bad("num_key_value_heads", "must divide "
-                      f"num_attention_heads={self.num_attention_heads}")
+            raise bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.partial_rotary_factor > 1:
             raise bad("partial_rotary_factor", "must be in (0, 1]")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise bad("partial_rotary_factor", f"rotary_dim = int(partial_rotary_factor * "
-                      f"head_dim) = {self.rotary_dim} must be even and >= 2")
+            raise bad(
+                "partial_rotary_factor",
+                f"rotary_dim = int(partial_rotary_factor * head_dim) = {self.rotary_dim} must be even and >= 2",
+            )
         if self.linear_conv_kernel_dim < 2:
             raise bad("linear_conv_kernel_dim", "must be >= 2")
         if not isinstance(self.tie_word_embeddings, bool):
             raise bad("tie_word_embeddings", "must be a bool")
         if any(not _is_int(t) or not 0 <= t < self.vocab_size for t in self.eos_token_id):
-            raise bad("eos_token_id",
-                      f"every id must be an int in [0, vocab_size={self.vocab_size})")
+            raise bad("eos_token_id", f"every id must be an int in [0, vocab_size={self.vocab_size})")
 
     # ------------------------------------------------------------------ derived shapes
 
@@ -147,8 +159,10 @@ class TargetConfig:
     @property
     def conv_dim(self) -> int:
         """GDN conv channels C = 2*H*K + HV*V, ordered [q (H*K) | k (H*K) | v (HV*V)]."""
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     @property
     def value_heads_per_key(self) -> int:
@@ -167,17 +181,18 @@ class TargetConfig:
         """
         model_type = d.get("model_type")
         if model_type in _MOE_MODEL_TYPES:
-            raise NotImplementedError(f"model_type={model_type!r}: mixture-of-experts targets "
-                                      "are not supported yet")
+            raise NotImplementedError(f"model_type={model_type!r}: mixture-of-experts targets are not supported yet")
         if model_type == "qwen3_5":
             text = d.get("text_config")
             if not isinstance(text, dict):
-                raise ValueError(f"text_config={text!r}: a model_type 'qwen3_5' config must "
-                                 "hold its text model under text_config")
+                raise ValueError(
+                    f"text_config={text!r}: a model_type 'qwen3_5' config must hold its text model under text_config"
+                )
             text_type = text.get("model_type", "qwen3_5_text")
             if text_type in _MOE_MODEL_TYPES:
-                raise NotImplementedError(f"text_config.model_type={text_type!r}: "
-                                          "mixture-of-experts targets are not supported yet")
+                raise NotImplementedError(
+                    f"text_config.model_type={text_type!r}: mixture-of-experts targets are not supported yet"
+                )
             if text_type != "qwen3_5_text":
                 raise ValueError(f"text_config.model_type={text_type!r}: must be 'qwen3_5_text'")
             # The composite model ties its lm_head by the top-level flag.
@@ -206,8 +221,7 @@ class TargetConfig:
             interval = opt("full_attention_interval", 4)
             if not _is_int(interval) or interval <= 0:
                 raise ValueError(f"full_attention_interval={interval!r}: must be a positive int")
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                           for i in range(n_layers)]
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
         head_dim = text.get("head_dim")
         if head_dim is None:
             head_dim = need("hidden_size") // need("num_attention_heads")
@@ -248,8 +262,13 @@ class TargetConfig:
 
         It is complete enough for transformers to build the same (dense) model.
         """
-        eos = (None if not self.eos_token_id else
-               self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id))
+        eos = (
+            None
+            if not self.eos_token_id
+            else self.eos_token_id[0]
+            if len(self.eos_token_id) == 1
+            else list(self.eos_token_id)
+        )
         text = {
             "model_type": "qwen3_next" if self.layout == "qwen3_next" else "qwen3_5_text",
             "vocab_size": self.vocab_size,
@@ -273,16 +292,21 @@ class TargetConfig:
             "eos_token_id": eos,
         }
         if self.layout == "qwen3_next":
-            text.update(rope_theta=self.rope_theta,
-                        partial_rotary_factor=self.partial_rotary_factor,
-                        num_experts=0)
+            text.update(rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor, num_experts=0)
         else:
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
-                                       "partial_rotary_factor": self.partial_rotary_factor}
+            text["rope_parameters"] = {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            }
         if self.layout != "qwen3_5":
             return {"architectures": [_ARCHITECTURES[self.layout]], **text}
-        return {"architectures": [_ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5",
-                "tie_word_embeddings": self.tie_word_embeddings, "text_config": text}
+        return {
+            "architectures": [_ARCHITECTURES["qwen3_5"]],
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+        }
 
 
 def _from_file(path: str | os.PathLike, parse):
@@ -329,8 +353,9 @@ def _reject_moe(text: dict, n_layers: int) -> None:
     dense_only = set(text.get("mlp_only_layers") or ())
     sparse = [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0]
     if sparse:
-        raise NotImplementedError(f"num_experts={n_experts}: layers {sparse} would be "
-                                  "mixture-of-experts, which is not supported yet")
+        raise NotImplementedError(
+            f"num_experts={n_experts}: layers {sparse} would be mixture-of-experts, which is not supported yet"
+        )
 
 
 def _reject_unsupported(text: dict) -> None:
@@ -339,8 +364,9 @@ def _reject_unsupported(text: dict) -> None:
         rope = text.get(key) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise NotImplementedError(f"{key}.rope_type={rope_type!r}: only unscaled "
-                                      "('default') rotary embedding is supported")
+            raise NotImplementedError(
+                f"{key}.rope_type={rope_type!r}: only unscaled ('default') rotary embedding is supported"
+            )
     if text.get("attention_bias"):
         raise NotImplementedError("attention_bias=True: attention projections have no bias")
     act = text.get("hidden_act", "silu")
@@ -394,8 +420,7 @@ class CacheConfig:
         if self.fold_policy not in FOLD_POLICIES:
             raise bad("fold_policy", f"must be one of {FOLD_POLICIES}")
         if self.fold_policy == "lazy" and self.ring_len < 2 * self.window:
-            raise bad("ring_len", f"must be >= 2 * window = {2 * self.window} with "
-                                  "fold_policy 'lazy'")
+            raise bad("ring_len", f"must be >= 2 * window = {2 * self.window} with fold_policy 'lazy'")
 
 
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
@@ -440,8 +465,16 @@ class DraftConfig:
         def bad(field, rule):
             return _fail("DraftConfig", field, getattr(self, field), rule)
 
-        for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size"):
+        for field in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "target_hidden_size",
+        ):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "must be a positive int")
         if not _is_int(self.block_size) or not 2 <= self.block_size <= 64:
@@ -470,8 +503,9 @@ class DraftConfig:
         values["target_layer_ids"] = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         values["mask_token_id"] = dflash.get("mask_token_id", d.get("mask_token_id"))
         values.setdefault("target_hidden_size", target_hidden_size or d.get("hidden_size"))
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and values.get(f.name) is None)
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and values.get(f.name) is None
+        )
         if missing:
             raise ValueError(f"DraftConfig: config.json lacks {', '.join(missing)}")
         return cls(**values)
@@ -488,6 +522,30 @@ class DraftConfig:
         d["dflash_config"] = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         d["architectures"] = ["DFlashDraftModel"]
         return d
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedAcceptance:
+    """Benchmark-only acceptance rule for models whose drafts the target never accepts (random
+    weights): each drafted position k of a verified window is accepted with probability
+    sigmoid(a * x_k + b), x_k the estimator's draft feature (logit of the draft's max
+    probability), independently per position, and the chain stops at the first rejection, as
+    the real rule does. The committed tokens are the accepted drafts, then the target's own token
+    at the first rejected position (drawn from its processed distribution). The target verify
+    runs at full cost; only the decision is replaced, so the output is NOT the target's
+    distribution. `seed` is folded into each request's acceptance key."""
+
+    a: float
+    b: float
+    seed: int = 0
+
+    def __post_init__(self):
+        for field in ("a", "b"):
+            value = getattr(self, field)
+            if not _is_real(value) or not math.isfinite(value):
+                raise _fail("SimulatedAcceptance", field, value, "must be a finite number")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise _fail("SimulatedAcceptance", "seed", self.seed, "must be an int in [0, 2**32)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,6 +566,11 @@ class SpecConfig:
     refit_interval: estimator observe calls (steps) between refits.
     warmup_refits: the first warmup_refits * refit_interval steps verify full blocks, so the
         estimator does not learn only from its own trimmed windows.
+    prefill_rows: None: requests joining in one step are prefilled in one call padded to a
+        power-of-two row count; an int R: every prefill call has exactly R rows (joins of more
+        requests take several calls), so the prefill compiles once per prompt-length bucket.
+    simulated_acceptance: None (always, unless a benchmark asks), or a `SimulatedAcceptance`
+        that replaces the acceptance decision (benchmarks of random-weight models only).
     """
 
     verify_mode: str = "static"
@@ -523,6 +586,8 @@ class SpecConfig:
     num_tiers: int = 4
     refit_interval: int = 100
     warmup_refits: int = 1
+    prefill_rows: int | None = None
+    simulated_acceptance: SimulatedAcceptance | None = None
 
     def __post_init__(self):
         def bad(field, rule):
@@ -540,9 +605,23 @@ class SpecConfig:
                 raise bad(field, "must be an int >= 1")
         if not _is_int(self.warmup_refits) or self.warmup_refits < 0:
             raise bad("warmup_refits", "must be an int >= 0")
+        if self.prefill_rows is not None and (not _is_int(self.prefill_rows) or self.prefill_rows < 1):
+            raise bad("prefill_rows", "must be None or an int >= 1")
+        if self.simulated_acceptance is not None:
+            if not isinstance(self.simulated_acceptance, SimulatedAcceptance):
+                raise bad("simulated_acceptance", "must be None or a SimulatedAcceptance")
+            if self.verify_mode == "none":
+                raise bad("simulated_acceptance", "verify_mode 'none' has no drafts to accept")
 
     def cache_config(self, window: int, dtype: str) -> CacheConfig:
         """The device-state shapes for verify windows of `window` tokens (validated there)."""
-        return CacheConfig(num_slots=self.num_slots, max_len=self.max_len, window=window,
-                           ring_len=self.ring_len, state_dtype=self.state_dtype, ring_dtype=self.ring_dtype,
-                           fold_policy=self.fold_policy, dtype=dtype)
+        return CacheConfig(
+            num_slots=self.num_slots,
+            max_len=self.max_len,
+            window=window,
+            ring_len=self.ring_len,
+            state_dtype=self.state_dtype,
+            ring_dtype=self.ring_dtype,
+            fold_policy=self.fold_policy,
+            dtype=dtype,
+        )

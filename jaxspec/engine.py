@@ -6,12 +6,18 @@ max_new_tokens or a stop string. The step never recompiles for a new mix of requ
 occupancy is data (inactive rows point at the null slot 0). The host loop below never touches
 model arrays except to read the emitted tokens.
 
+Two ways to drive it: `generate(prompts)` returns finished results; `submit(prompt)` queues one
+request and each `step()` call runs one turn of the host loop and returns its `Event`s (tokens
+per request, first token, finish), so a caller can keep requests in flight and add new ones as
+slots free (continuous batching). `generate` is `submit` + `step` until done.
+
 Non-finite logits: a request whose target logits hold a NaN or an inf in a step (or at prefill)
 emits NON_FINITE instead of tokens, and the host ends it with `error` set; the others go on. A
 draft row with non-finite logits verifies no drafts that step (the target alone picks the token,
 so decoding stays lossless) and counts in `EngineState.draft_non_finite`, which `generate` reads
 once at its end to warn.
 """
+
 import collections
 import dataclasses
 import time
@@ -31,12 +37,12 @@ from jaxspec.dflash import Draft
 from jaxspec.ops import packing, sampling
 from jaxspec.ops.sampling import SamplingParams
 from jaxspec.proposer import DFlashProposer
-from jaxspec.spec import estimator, layout, planner
+from jaxspec.spec import estimator, layout, planner, simulation
 from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
 from jaxspec.target import Target
 
-NON_FINITE = -1     # the token id a step emits for a request whose target logits are not finite
+NON_FINITE = -1  # the token id a step emits for a request whose target logits are not finite
 
 
 @struct.dataclass
@@ -71,11 +77,30 @@ class GenerationResult:
     error: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One request's news from one `Engine.step` call.
+
+    request: the id `Engine.submit` returned; tokens: the ids it emitted in this call, in order
+    (empty for a refused request); first: tokens[0] is its first generated token; result: its
+    GenerationResult when it finished in this call (no later event names it), else None."""
+
+    request: int
+    tokens: tuple
+    first: bool = False
+    result: GenerationResult | None = None
+
+
 @dataclasses.dataclass
 class _Request:
-    index: int
+    id: int
+    name: str
     prompt: list
     key: np.ndarray
+    max_new_tokens: int
+    sampling: tuple  # (temperature, top_k, top_p)
+    eos: frozenset
+    stop: tuple | None
     slot: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     accepted: list = dataclasses.field(default_factory=list)
@@ -83,6 +108,26 @@ class _Request:
     start: float = 0.0
     compiled: int = 0
     done: bool = False
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p):
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive int")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature!r}: must be >= 0")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"top_k={top_k!r}: must be an int >= 0 (0 = off)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
+
+
+def _raw_key(seed: int) -> np.ndarray:
+    """`jax.random.PRNGKey(seed)` as raw uint32 [2], computed on the host for the default threefry
+    keys (a device computation would wait behind the step in flight: `submit` runs mid-decoding)."""
+    if jax.config.jax_default_prng_impl != "threefry2x32":
+        return np.asarray(jax.random.PRNGKey(seed), np.uint32)
+    high = (seed % 2**64) >> 32 if jax.config.jax_enable_x64 else 0
+    return np.array([high, seed & 0xFFFFFFFF], np.uint32)
 
 
 def _finite_rows(logits, used=None):
@@ -126,8 +171,23 @@ def _device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
     return jnp.where(plan.plan, tier, len(tiers) - 1).astype(jnp.int32)
 
 
-def _step(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, window, tier, mode, greedy,
-          max_top_k, impl, tiers=None):
+def _step(
+    state: EngineState,
+    target: Target,
+    proposer,
+    slots,
+    plan,
+    force_accept,
+    *,
+    window,
+    tier,
+    mode,
+    greedy,
+    max_top_k,
+    impl,
+    tiers=None,
+    simulate=None,
+):
     """One decoding step for the rows `slots` [S] (0 = inactive row).
 
     mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
@@ -137,7 +197,9 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     the verify under lax.switch over the tiers. cap-accept verifies the whole block and caps
     acceptance at the planned length; compact packs only the planned windows into `tier` rows.
     force_accept: bool [], traced (so profiling and decoding share one compiled step per tier);
-    True (profiling only) accepts every verified draft. Returns (state, emitted [S, T],
+    True (profiling only) accepts every verified draft. simulate: None, or the traced (a, b, seed)
+    of `SpecConfig.simulated_acceptance`, whose rule (`simulation.accept`) then decides acceptance
+    in place of the chain rule. Returns (state, emitted [S, T],
     accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []); a row whose
     target logits are not finite at a window position up to its last accepted one emits NON_FINITE
     throughout, a row whose draft logits are not finite verifies no drafts.
@@ -153,10 +215,11 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     # one argmax pass and one exp-sum pass give the drafts (greedy), q's normaliser and the feature
     with jax.named_scope("draft"):
         draft_logits, proposer_state = proposer.propose(state.proposer, anchors, slots, ctx_len)
-        dist = sampling.draft_distribution(draft_logits[:, :t - 1], params.temperature)
+        dist = sampling.draft_distribution(draft_logits[:, : t - 1], params.temperature)
         drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
         # [S]: from the row statistics the distribution already holds (no pass over the logits)
         draft_finite = jnp.all(jnp.isfinite(dist.zmax) & jnp.isfinite(dist.rest), axis=-1)
+        live = active & (anchors != NON_FINITE)  # a NON_FINITE anchor: the request already ended
     with jax.named_scope("estimator"):
         features = estimator.distribution_features(dist)
         _, survival = estimator.predict(state.estimator, features)
@@ -180,21 +243,34 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
         commit, and feed the committed rows to the draft."""
         with jax.named_scope("verify"):
             tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
-            logits, hidden, cache = target_mod.verify(target, cache, tokens, query_start_loc, layout_slots,
-                                                      proposer.taps, impl=impl)
+            logits, hidden, cache = target_mod.verify(
+                target, cache, tokens, query_start_loc, layout_slots, proposer.taps, impl=impl
+            )
         with jax.named_scope("accept"):
-            logits = layout.unpack_rows(logits, query_start_loc, t)                            # [S, T, vocab]
+            logits = layout.unpack_rows(logits, query_start_loc, t)  # [S, T, vocab]
             probs, ids = _target_rows(logits, params, greedy, max_top_k)
-            accepted, bonus, emitted = sampling.accept(key_accept, probs, ids, drafts, q, lengths,
-                                                       params.temperature)
+            if simulate is None:
+                accepted, bonus, emitted = sampling.accept(
+                    key_accept, probs, ids, drafts, q, lengths, params.temperature
+                )
+            else:
+                accepted, bonus, emitted = simulation.accept(
+                    simulate, key_accept, features, lengths, drafts, probs, ids
+                )
             accepted = jnp.where(force_accept, lengths, accepted)
             emitted = jnp.where(_finite_rows(logits, accepted)[:, None], emitted, NON_FINITE)
         with jax.named_scope("commit"):
             cache = target_mod.commit(cache, slots, accepted, impl=impl)
         with jax.named_scope("draft_context"):
             request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
-            proposer_state = proposer.observe(proposer_state, tokens, hidden, ctx_len[request] + pos,
-                                              slots[request], valid & (pos <= accepted[request]))
+            proposer_state = proposer.observe(
+                proposer_state,
+                tokens,
+                hidden,
+                ctx_len[request] + pos,
+                slots[request],
+                valid & (pos <= accepted[request]),
+            )
         return cache, proposer_state, accepted, bonus, emitted
 
     if mode != "compact":
@@ -206,14 +282,18 @@ def _step(state: EngineState, target: Target, proposer, slots, plan, force_accep
     cache, proposer_state, accepted, bonus, emitted = out
     with jax.named_scope("estimator"):
         estimator_state = estimator.observe(state.estimator, features, lengths, accepted)
-    state = state.replace(cache=cache, proposer=proposer_state, anchor=state.anchor.at[slots].set(bonus),
-                          keys=state.keys.at[slots].set(key_next), estimator=estimator_state,
-                          draft_non_finite=state.draft_non_finite + jnp.sum(active & ~draft_finite, dtype=jnp.int32))
+    state = state.replace(
+        cache=cache,
+        proposer=proposer_state,
+        anchor=state.anchor.at[slots].set(bonus),
+        keys=state.keys.at[slots].set(key_next),
+        estimator=estimator_state,
+        draft_non_finite=state.draft_non_finite + jnp.sum(live & ~draft_finite, dtype=jnp.int32),
+    )
     return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
-def _decode(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, tier, greedy, max_top_k,
-            impl):
+def _decode(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, tier, greedy, max_top_k, impl):
     """Mode "none": one target token per request and step (window = the anchor alone; `tier` is
     always the batch). plan and force_accept are `_step`'s; with no drafts they have no use."""
     cache = state.cache
@@ -221,17 +301,21 @@ def _decode(state: EngineState, target: Target, proposer, slots, plan, force_acc
     keys = jax.vmap(lambda k: jax.random.split(k, 2))(state.keys[slots])
     params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
     with jax.named_scope("verify"):
-        logits, _, cache = target_mod.verify(target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32),
-                                             slots, (), impl=impl)
+        logits, _, cache = target_mod.verify(
+            target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32), slots, (), impl=impl
+        )
     with jax.named_scope("accept"):
         probs, ids = _target_rows(logits[:, None], params, greedy, max_top_k)
         none = jnp.zeros((s,), jnp.int32)
-        accepted, bonus, emitted = sampling.accept(keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None,
-                                                   none, params.temperature)
+        accepted, bonus, emitted = sampling.accept(
+            keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None, none, params.temperature
+        )
         emitted = jnp.where(_finite_rows(logits)[:, None], emitted, NON_FINITE)
     with jax.named_scope("commit"):
         cache = target_mod.commit(cache, slots, accepted, impl=impl)
-    state = state.replace(cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1]))
+    state = state.replace(
+        cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1])
+    )
     return state, emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
 
 
@@ -243,7 +327,7 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     taps = proposer.taps if proposer is not None else ()
     logits, hidden, cache = target_mod.prefill(target, state.cache, tokens, lengths, slots, taps, impl=impl)
     keys = jax.vmap(jax.random.split)(keys)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]            # [R, vocab]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, vocab]
     probs, ids = sampling.target_distribution(last, params, max_top_k)
     choice = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys[:, 0], probs)
     sampled = jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
@@ -252,13 +336,22 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     proposer_state = state.proposer
     if proposer is not None:
         pos = jnp.arange(p)[None, :]
-        proposer_state = proposer.observe(proposer_state, tokens.reshape(-1), hidden.reshape((r * p,) + hidden.shape[2:]),
-                                          jnp.broadcast_to(pos, (r, p)).reshape(-1), jnp.repeat(slots, p),
-                                          (pos < lengths[:, None]).reshape(-1))
+        proposer_state = proposer.observe(
+            proposer_state,
+            tokens.reshape(-1),
+            hidden.reshape((r * p,) + hidden.shape[2:]),
+            jnp.broadcast_to(pos, (r, p)).reshape(-1),
+            jnp.repeat(slots, p),
+            (pos < lengths[:, None]).reshape(-1),
+        )
     put = lambda arr, x: packing.scatter_slots(arr, slots, x)
     state = state.replace(
-        cache=cache, proposer=proposer_state, anchor=put(state.anchor, first), keys=put(state.keys, keys[:, 1]),
-        sampling=jax.tree_util.tree_map(put, state.sampling, params))
+        cache=cache,
+        proposer=proposer_state,
+        anchor=put(state.anchor, first),
+        keys=put(state.keys, keys[:, 1]),
+        sampling=jax.tree_util.tree_map(put, state.sampling, params),
+    )
     return state, first
 
 
@@ -291,9 +384,19 @@ class Engine:
     under lax.switch over the tiers. Both emit the same tokens.
     """
 
-    def __init__(self, target: Target, draft: Draft | None = None, spec: SpecConfig = SpecConfig(), *,
-                 proposer=None, tokenizer=None, cost_table: CostTable | str | None = None, record_trace=False,
-                 impl="auto", tier_dispatch="host"):
+    def __init__(
+        self,
+        target: Target,
+        draft: Draft | None = None,
+        spec: SpecConfig = SpecConfig(),
+        *,
+        proposer=None,
+        tokenizer=None,
+        cost_table: CostTable | str | None = None,
+        record_trace=False,
+        impl="auto",
+        tier_dispatch="host",
+    ):
         if tier_dispatch not in ("host", "switch"):
             raise ValueError(f"tier_dispatch={tier_dispatch!r}: must be 'host' or 'switch'")
         if proposer is None and draft is not None:
@@ -306,8 +409,7 @@ class Engine:
                 raise ValueError(f"draft: verify_mode={mode!r} needs a draft (or a proposer)")
             window = spec.block_size or proposer.block_size
             if window > proposer.block_size:
-                raise ValueError(f"SpecConfig.block_size={window}: the draft proposes blocks of "
-                                 f"{proposer.block_size}")
+                raise ValueError(f"SpecConfig.block_size={window}: the draft proposes blocks of {proposer.block_size}")
         self.target, self.proposer, self.spec, self.window = target, proposer, spec, window
         self.tokenizer = tokenizer
         self.cost_table = CostTable.load(cost_table) if isinstance(cost_table, str) else cost_table
@@ -316,8 +418,17 @@ class Engine:
         self.tier_counts = collections.Counter()
         self.tier_dispatch = tier_dispatch
         self._switch = tier_dispatch == "switch" and mode in ("cap-accept", "compact")
-        self._costs = None                  # (cost table, its device cost matrix, placeholder survivals)
+        self._costs = None  # (cost table, its device cost matrix, placeholder survivals)
         self._steps_run = 0
+        self.totals = collections.Counter()  # over the steps read: steps, rows, verified, tier_tokens
+        sim = spec.simulated_acceptance
+        self._simulate = (
+            {} if sim is None else {"simulate": (jnp.float32(sim.a), jnp.float32(sim.b), jnp.uint32(sim.seed))}
+        )
+        self._queue, self._refused, self._active = collections.deque(), collections.deque(), {}
+        self._free = list(range(1, spec.num_slots + 1))
+        self._in_flight, self._history = None, collections.deque(maxlen=spec.lag)
+        self._next_id, self._news = 0, {}
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
         self._step = _jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
         self._prefill = _jitted_prefill(spec.max_top_k, impl)
@@ -330,15 +441,23 @@ class Engine:
             cache=cache_mod.init_cache(self.target.config, self.cache_config),
             proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
             estimator=estimator.init(self.window - 1, refit_interval=self.spec.refit_interval) if speculative else None,
-            anchor=jnp.zeros((s1,), jnp.int32), keys=jnp.zeros((s1, 2), jnp.uint32),
-            sampling=SamplingParams.create(s1), draft_non_finite=jnp.zeros((), jnp.int32))
+            anchor=jnp.zeros((s1,), jnp.int32),
+            keys=jnp.zeros((s1, 2), jnp.uint32),
+            sampling=SamplingParams.create(s1),
+            draft_non_finite=jnp.zeros((), jnp.int32),
+        )
 
     def _plans(self, old) -> bool:
         """Whether the next step plans a budget: not in static mode, during warm-up, without the
         step `lag` back (old is None) or without profiled costs (then it verifies everything)."""
         warmup = self.spec.warmup_refits * self.spec.refit_interval
-        return not (self.spec.verify_mode in ("none", "static") or self._steps_run < warmup or old is None
-                    or self.cost_table is None or self.cost_table.is_trivial)
+        return not (
+            self.spec.verify_mode in ("none", "static")
+            or self._steps_run < warmup
+            or old is None
+            or self.cost_table is None
+            or self.cost_table.is_trivial
+        )
 
     def _choose_tier(self, rows, old) -> int:
         """The verify tier of the next step. rows: the request of each slot (None = idle); old:
@@ -349,8 +468,11 @@ class Engine:
             return full
         old_rows, old_survival = old
         old_survival = np.asarray(old_survival)
-        survival = [old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
-                    for i, req in enumerate(rows) if req is not None]     # a newcomer: assume acceptance
+        survival = [
+            old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
+            for i, req in enumerate(rows)
+            if req is not None
+        ]  # a newcomer: assume acceptance
         n = len(survival)
         admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
         budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
@@ -378,10 +500,12 @@ class Engine:
         """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
         verified draft accepted; mode none: one token) and returns its emitted tokens [S, T].
 
-        The engine's state is reset and `batch` random prompts of `prompt_len` tokens are
-        prefilled into slots 1..batch; every call advances them by one step, so at most
-        (max_len - prompt_len) // window calls fit. Used by `profile` and by benchmarks that trace
-        a step."""
+        The engine must be idle; its state is reset and `batch` random prompts of `prompt_len`
+        tokens are prefilled into slots 1..batch (`_prefill_rows`); every call advances them by
+        one step, so at most (max_len - prompt_len) // window calls fit. Used by `profile` and by
+        benchmarks that trace a step."""
+        if self.busy:
+            raise RuntimeError("forced_step: the engine has requests in flight (it resets the state)")
         if not 1 <= batch <= self.spec.num_slots:
             raise ValueError(f"batch: {batch} is not in 1..num_slots={self.spec.num_slots}")
         if tier not in self.tier_tokens or tier < batch:
@@ -391,13 +515,26 @@ class Engine:
         slots[:batch] = np.arange(1, batch + 1)
         self.state = self._init_state()
         prompts = rng.integers(0, self.target.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-        self.state, _ = self._prefill(self.state, self.target, self.proposer, jnp.asarray(prompts),
-                                      jnp.full((batch,), prompt_len, jnp.int32), jnp.asarray(slots[:batch]),
-                                      jnp.zeros((batch, 2), jnp.uint32), SamplingParams.create(batch))
+        self._prefill_rows(
+            prompts,
+            np.full(batch, prompt_len, np.int32),
+            slots[:batch],
+            np.zeros((batch, 2), np.uint32),
+            [(0.0, 0, 1.0)] * batch,
+        )
 
         def run():
-            self.state, emitted, *_ = self._step(self.state, self.target, self.proposer, slots, None,
-                                                 np.bool_(True), greedy=True, tier=tier)
+            self.state, emitted, *_ = self._step(
+                self.state,
+                self.target,
+                self.proposer,
+                slots,
+                None,
+                np.bool_(True),
+                greedy=True,
+                tier=tier,
+                **self._simulate,
+            )
             return emitted
 
         return run
@@ -411,8 +548,9 @@ class Engine:
         entries = {}
         calls = repeats + 1
         if prompt_len + calls * self.window > self.spec.max_len:
-            raise ValueError(f"profile: prompt_len + (repeats + 1) * window exceeds SpecConfig.max_len="
-                             f"{self.spec.max_len}")
+            raise ValueError(
+                f"profile: prompt_len + (repeats + 1) * window exceeds SpecConfig.max_len={self.spec.max_len}"
+            )
         for batch in batches:
             if not 1 <= batch <= self.spec.num_slots:
                 raise ValueError(f"batches: {batch} is not in 1..num_slots={self.spec.num_slots}")
@@ -425,11 +563,74 @@ class Engine:
                     start = time.perf_counter()
                     jax.block_until_ready(step())
                     times.append(time.perf_counter() - start)
-                entries[(batch, tier)] = float(np.median(times[1:]))       # the first call compiles
+                entries[(batch, tier)] = float(np.median(times[1:]))  # the first call compiles
                 if on_entry is not None:
                     on_entry(batch, tier, entries[(batch, tier)])
         self.state = self._init_state()
         return CostTable(entries)
+
+    def lowerings(self, *, greedy: bool, prompt_lengths=()) -> dict:
+        """What decoding compiles, as {name: thunk returning a jax.stages.Lowered}: the step at
+        every tier decoding can pick (static and none: the full one; under tier_dispatch "switch"
+        the one switch step) for this greedy flag, and the prefill of each prompt length's bucket
+        at every row count a join takes (SpecConfig.prefill_rows, else the powers of two up to
+        num_slots). Compiling them ahead (`.compile()`, e.g. in threads) fills jax's caches, so
+        decoding then compiles none of them. Lowering reads only the shapes of the state."""
+        s = self.spec.num_slots
+        out = {}
+        slots = np.zeros(s, np.int32)
+        if self._switch:
+            plan = self._device_plan([None] * s, None)
+            out["step switch"] = lambda: self._step.lower(
+                self.state,
+                self.target,
+                self.proposer,
+                slots,
+                plan,
+                np.bool_(False),
+                greedy=greedy,
+                tier=None,
+                **self._simulate,
+            )
+        else:
+            planned = self.spec.verify_mode in ("cap-accept", "compact")
+            for tier in self.tier_tokens if planned else self.tier_tokens[-1:]:
+                out[f"step {tier}"] = partial(
+                    lambda t: self._step.lower(
+                        self.state,
+                        self.target,
+                        self.proposer,
+                        slots,
+                        None,
+                        np.bool_(False),
+                        greedy=greedy,
+                        tier=t,
+                        **self._simulate,
+                    ),
+                    tier,
+                )
+        counts = (
+            [self.spec.prefill_rows] if self.spec.prefill_rows else [1 << i for i in range((s - 1).bit_length() + 1)]
+        )
+        for width in sorted({self._bucket(n) for n in prompt_lengths}):
+            for rows in counts:
+                out[f"prefill {rows}x{width}"] = partial(self._lower_prefill, rows, width)
+        return out
+
+    def _lower_prefill(self, rows, width):
+        params = SamplingParams.create(
+            rows, np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        )
+        return self._prefill.lower(
+            self.state,
+            self.target,
+            self.proposer,
+            jnp.zeros((rows, width), jnp.int32),
+            jnp.ones((rows,), jnp.int32),
+            jnp.zeros((rows,), jnp.int32),
+            jnp.zeros((rows, 2), jnp.uint32),
+            params,
+        )
 
     # ------------------------------------------------------------------------------ host side
 
@@ -446,8 +647,10 @@ class Engine:
             return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
         need = len(prompt) + max_new_tokens + self.window
         if need > self.spec.max_len:
-            return (f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + window "
-                    f"({self.window}) = {need} exceeds SpecConfig.max_len={self.spec.max_len}")
+            return (
+                f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) + window "
+                f"({self.window}) = {need} exceeds SpecConfig.max_len={self.spec.max_len}"
+            )
         return None
 
     def _compiled(self) -> int:
@@ -457,136 +660,286 @@ class Engine:
     def _bucket(self, n):
         return min(max(16, 1 << (n - 1).bit_length()), self.spec.max_len)
 
-    def _admit(self, joining, free, active, params, emit):
-        """Prefill the joining requests in one call padded to (count, length) buckets."""
-        rows = 1 << (len(joining) - 1).bit_length()
+    @property
+    def busy(self) -> bool:
+        """Whether `step` has work: a request queued, refused and not yet reported, decoding, or a
+        device step in flight."""
+        return bool(self._queue or self._refused or self._active or self._in_flight is not None)
+
+    @property
+    def steps_run(self) -> int:
+        """Device steps dispatched so far (the planner's warm-up counts them)."""
+        return self._steps_run
+
+    def submit(
+        self,
+        prompt,
+        max_new_tokens=64,
+        *,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop=None,
+        eos_token_id=None,
+        name=None,
+    ) -> int:
+        """Queue one request and return its id; `step` runs it. The arguments are `generate`'s for
+        one prompt (seed: an int). Invalid arguments raise ValueError; a request the engine cannot
+        serve (empty, a token id that is not an int or is out of the vocabulary, too long for max_len)
+        is not an exception: the next `step` reports it finished with `result.error` set. Errors
+        begin with `name` (default "request <id>")."""
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts: text prompts need Engine(tokenizer=...)")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        eos = frozenset(
+            self.target.config.eos_token_id
+            if eos_token_id is None
+            else ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        )
+        rid, self._next_id = self._next_id, self._next_id + 1
+        name = f"request {rid}" if name is None else name
+        error = self._refusal(prompt, max_new_tokens)
+        if error:
+            self._refused.append((rid, f"{name}: {error}"))
+        else:
+            self._queue.append(
+                _Request(
+                    rid,
+                    name,
+                    [int(t) for t in prompt],
+                    _raw_key(int(seed)),
+                    max_new_tokens,
+                    (float(temperature), int(top_k), float(top_p)),
+                    eos,
+                    tuple(stop) if stop else None,
+                )
+            )
+        return rid
+
+    def step(self) -> list[Event]:
+        """One turn of the host loop; returns its news, one Event per request that emitted tokens
+        or finished, in the order of their first news ([] when there was nothing to do).
+
+        A turn admits queued requests into the free slots (prefills them), dispatches the next
+        device step for the decoding requests, reads the joining requests' first tokens (their
+        prefill's), then the tokens of the step the previous turn dispatched. One step stays in
+        flight: step k + 1 is dispatched before the host reads step k or a prefill, so the host
+        never waits for the device between steps; a request that finished at step k (or with its
+        first token) runs one more (discarded) row in the next step, and its slot takes a queued
+        request at the next turn. A turn that finds the engine idle starts afresh (so does each
+        `generate` call): the planner forgets earlier survivals, slots are taken from slot 1 up."""
+        if not self._active and self._in_flight is None:
+            self._history.clear()
+            self._free.sort()
+        while self._refused:
+            rid, error = self._refused.popleft()
+            self._news[rid] = [[], False, GenerationResult(tokens=[], stats={}, error=error)]
+        joined = None
+        if self._queue and self._free:
+            joined = self._admit([self._queue.popleft() for _ in range(min(len(self._queue), len(self._free)))])
+        dispatched = self._dispatch() if self._active else None
+        if joined is not None:
+            self._emit_first(*joined)
+        if self._in_flight is not None:
+            self._read(self._in_flight)
+        self._in_flight = dispatched
+        news, self._news = self._news, {}
+        return [Event(rid, tuple(tokens), first, result) for rid, (tokens, first, result) in news.items()]
+
+    def _finish(self, req, error=None):
+        req.done = True
+        self._free.append(req.slot)
+        del self._active[req.slot]
+        elapsed = max(time.perf_counter() - req.start, 1e-9)
+        steps = len(req.accepted)
+        stats = {
+            "steps": steps,
+            "accepted": req.accepted,
+            "verified": req.verified,
+            "accept_length": (len(req.tokens) - 1) / steps if steps else 0.0,
+            "tokens_per_s": len(req.tokens) / elapsed,
+            "includes_compilation": self._compiled() != req.compiled,
+        }
+        text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
+        self._news.setdefault(req.id, [[], False, None])[2] = GenerationResult(
+            tokens=req.tokens, stats=stats, text=text, error=None if error is None else f"{req.name}: {error}"
+        )
+
+    def _emit(self, req, tok):
+        if tok == NON_FINITE:
+            self._finish(
+                req,
+                f"the target's logits are not finite (NaN or inf) after {len(req.tokens)} generated "
+                "tokens; the request was ended (its weights or activations overflow)",
+            )
+            return
+        req.tokens.append(int(tok))
+        self._news.setdefault(req.id, [[], len(req.tokens) == 1, None])[0].append(int(tok))
+        stopped = (
+            req.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(req.tokens) for s in req.stop)
+        )
+        if int(tok) in req.eos or len(req.tokens) >= req.max_new_tokens or stopped:
+            self._finish(req)
+
+    def _admit(self, joining):
+        """Prefill the joining requests into free slots in one `_prefill_rows` (rows padded to a
+        power of two unless SpecConfig.prefill_rows fixes them, length to a bucket). Returns
+        (joining, their first tokens on the device) for `_emit_first`."""
+        rows = len(joining) if self.spec.prefill_rows else 1 << (len(joining) - 1).bit_length()
         width = self._bucket(max(len(req.prompt) for req in joining))
         tokens = np.zeros((rows, width), np.int32)
         lengths, slots, keys = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, 2), np.uint32)
+        sampling_rows = [joining[0].sampling] * rows  # padding rows: the first request's
         for i, req in enumerate(joining):
-            req.slot, req.start, req.compiled = free.pop(0), time.perf_counter(), self._compiled()
-            active[req.slot] = req
-            tokens[i, :len(req.prompt)] = req.prompt
-            lengths[i], slots[i], keys[i] = len(req.prompt), req.slot, req.key
-        row_params = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x[:1], (rows,)), params)
-        self.state, first = self._prefill(self.state, self.target, self.proposer, *map(jnp.asarray, (
-            tokens, lengths, slots, keys)), row_params)
-        for req, tok in zip(joining, np.asarray(first)):
-            emit(req, tok)
+            req.slot, req.start, req.compiled = self._free.pop(0), time.perf_counter(), self._compiled()
+            self._active[req.slot] = req
+            tokens[i, : len(req.prompt)] = req.prompt
+            lengths[i], slots[i], keys[i], sampling_rows[i] = len(req.prompt), req.slot, req.key, req.sampling
+        return joining, self._prefill_rows(tokens, lengths, slots, keys, sampling_rows)
 
-    def generate(self, prompts, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=None,
-                 eos_token_id=None):
-        """Decode every prompt (a list of token-id lists, or strings with a tokenizer).
+    def _emit_first(self, joining, firsts):
+        first = np.concatenate([np.asarray(f) for f in firsts])
+        for req, tok in zip(joining, first):
+            self._emit(req, tok)
+
+    def _prefill_rows(self, tokens, lengths, slots, keys, sampling_rows):
+        """Prefill numpy rows (tokens [R, P], lengths [R], slots [R] with 0 = padding row, raw
+        keys [R, 2], sampling_rows R (temperature, top_k, top_p)) in one call, or in calls of
+        exactly SpecConfig.prefill_rows rows (the last padded with null-slot rows). Returns the
+        calls' first generated tokens (device arrays, their copies to the host started), which
+        concatenated begin with the R rows'."""
+        n = tokens.shape[0]
+        per = self.spec.prefill_rows or n
+        pad = -n % per
+        if pad:
+            tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), np.int32)])
+            lengths = np.concatenate([lengths, np.ones(pad, np.int32)])
+            slots = np.concatenate([slots, np.zeros(pad, np.int32)])
+            keys = np.concatenate([keys, np.zeros((pad, 2), np.uint32)])
+            sampling_rows = list(sampling_rows) + [sampling_rows[0]] * pad
+        temperature, top_k, top_p = (
+            np.asarray(v, dt) for v, dt in zip(zip(*sampling_rows), (np.float32, np.int32, np.float32))
+        )
+        firsts = []
+        for i in range(0, n + pad, per):
+            part = slice(i, i + per)
+            params = SamplingParams.create(per, temperature[part], top_k[part], top_p[part])
+            self.state, first = self._prefill(
+                self.state,
+                self.target,
+                self.proposer,
+                *map(jnp.asarray, (tokens[part], lengths[part], slots[part], keys[part])),
+                params,
+            )
+            first.copy_to_host_async()
+            firsts.append(first)
+        return firsts
+
+    def _dispatch(self):
+        """Dispatch the next device step for the active requests; returns what `_read` needs."""
+        rows = [self._active.get(s) for s in range(1, self.spec.num_slots + 1)]
+        old = self._history[0] if len(self._history) == self.spec.lag else None
+        if self._switch:
+            tier, plan = None, self._device_plan(rows, old)
+        else:
+            tier, plan = self._choose_tier(rows, old), None
+        temperature = np.asarray([0.0 if r is None else r.sampling[0] for r in rows], np.float32)
+        slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)  # travels with the call
+        self.state, emitted, accepted, verified, features, survival, used = self._step(
+            self.state,
+            self.target,
+            self.proposer,
+            slots,
+            plan,
+            np.bool_(False),
+            greedy=not temperature.any(),
+            tier=tier,
+            **self._simulate,
+        )
+        self._steps_run += 1
+        # start the device-to-host copies now: by the time the host reads them (next turn; the
+        # survivals `lag` steps later) they are there, no round trip
+        for out in (emitted, accepted, verified, survival if tier is not None else used):
+            if out is not None:  # mode none has no survivals
+                out.copy_to_host_async()
+        self._history.append((rows, survival))
+        if self.recorder is not None:
+            self.recorder.add(features, verified, accepted, temperature)
+        return rows, emitted, accepted, verified, used if tier is None else tier
+
+    def _read(self, in_flight):
+        """Read a dispatched step's tokens and emit them to their requests (rows of requests that
+        finished meanwhile are discarded)."""
+        rows, emitted, accepted, verified, step_tier = in_flight
+        self.tier_counts[int(step_tier)] += 1
+        emitted, accepted, verified = np.asarray(emitted), np.asarray(accepted), np.asarray(verified)
+        live = [row for row, req in enumerate(rows) if req is not None]
+        self.totals.update(
+            steps=1, rows=len(live), verified=int(sum(verified[row] + 1 for row in live)), tier_tokens=int(step_tier)
+        )
+        for row, req in enumerate(rows):
+            if req is None or req.done:
+                continue
+            req.accepted.append(int(accepted[row]))
+            req.verified.append(int(verified[row]))
+            for tok in emitted[row, : accepted[row] + 1]:
+                if not req.done:
+                    self._emit(req, tok)
+
+    def generate(
+        self, prompts, max_new_tokens=64, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=None, eos_token_id=None
+    ):
+        """Decode every prompt (a list of token-id lists, or strings with a tokenizer): `submit`
+        each, then `step` until all are done. Returns their GenerationResults in prompt order.
 
         Requests wait in a queue for a free slot; a bad request gets a result with `error` set and
         the others go on, as does a request whose target logits turn non-finite (it keeps the tokens
-        emitted before). Per-request PRNG keys come from `seed` (an int, or one per prompt), so a
-        request's tokens do not depend on the requests it ran beside. Draft rows with non-finite
-        logits (they verify nothing, see the module doc) are reported by one warning at the end.
+        emitted before); errors name the prompt by its index. Per-request PRNG keys come from `seed`
+        (an int, or one per prompt), so a request's tokens do not depend on the requests it ran
+        beside. Draft rows with non-finite logits (they verify nothing, see the module doc) are
+        reported by one warning at the end. The engine must be idle (RuntimeError while requests
+        from `submit` are still running).
         """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive int")
-        if not temperature >= 0:
-            raise ValueError(f"temperature={temperature!r}: must be >= 0")
-        if not (isinstance(top_k, int) and top_k >= 0):
-            raise ValueError(f"top_k={top_k!r}: must be an int >= 0 (0 = off)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
+        if self.busy:
+            raise RuntimeError("generate: the engine still runs submitted requests; drive them with step() first")
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts")
-        eos = set(self.target.config.eos_token_id if eos_token_id is None else
-                  ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id))
-        params = SamplingParams.create(1, temperature, top_k, top_p)
-        greedy = temperature == 0
-        results, queue = [None] * len(prompts), collections.deque()
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError("prompts: text prompts need Engine(tokenizer=...)")
-                prompt = self.tokenizer.encode(prompt)
-            prompt = list(prompt)
-            error = self._refusal(prompt, max_new_tokens)
-            if error:
-                results[i] = GenerationResult(tokens=[], stats={}, error=f"prompt {i}: {error}")
-            else:
-                queue.append(_Request(i, [int(t) for t in prompt], np.asarray(jax.random.PRNGKey(seeds[i]), np.uint32)))
-        free = list(range(1, self.spec.num_slots + 1))
-        active = {}
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts: text prompts need Engine(tokenizer=...)")
         self.state = self.state.replace(draft_non_finite=jnp.zeros((), jnp.int32))
-
-        def finish(req, error=None):
-            req.done = True
-            free.append(req.slot)
-            del active[req.slot]
-            elapsed = max(time.perf_counter() - req.start, 1e-9)
-            steps = len(req.accepted)
-            stats = {"steps": steps, "accepted": req.accepted, "verified": req.verified,
-                     "accept_length": (len(req.tokens) - 1) / steps if steps else 0.0,
-                     "tokens_per_s": len(req.tokens) / elapsed,
-                     "includes_compilation": self._compiled() != req.compiled}
-            text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
-            results[req.index] = GenerationResult(tokens=req.tokens, stats=stats, text=text,
-                                                  error=None if error is None else f"prompt {req.index}: {error}")
-
-        def emit(req, tok):
-            if tok == NON_FINITE:
-                finish(req, f"the target's logits are not finite (NaN or inf) after {len(req.tokens)} generated "
-                            "tokens; the request was ended (its weights or activations overflow)")
-                return
-            req.tokens.append(int(tok))
-            stopped = stop and self.tokenizer is not None and any(s in self.tokenizer.decode(req.tokens) for s in stop)
-            if int(tok) in eos or len(req.tokens) >= max_new_tokens or stopped:
-                finish(req)
-
-        # One step in flight: step k + 1 is dispatched before the host reads step k's tokens, so
-        # the host never waits for the device between steps. A request that finished at step k
-        # runs one more (discarded) row in step k + 1; its slot is reused after that.
-        in_flight, history = None, collections.deque(maxlen=self.spec.lag)
-        while queue or active or in_flight:
-            if queue and free:
-                self._admit([queue.popleft() for _ in range(min(len(queue), len(free)))], free, active, params, emit)
-            dispatched = None
-            if active:
-                rows = [active.get(s) for s in range(1, self.spec.num_slots + 1)]
-                old = history[0] if len(history) == self.spec.lag else None
-                if self._switch:
-                    tier, plan = None, self._device_plan(rows, old)
-                else:
-                    tier, plan = self._choose_tier(rows, old), None
-                slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)   # travels with the call
-                self.state, emitted, accepted, verified, features, survival, used = self._step(
-                    self.state, self.target, self.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier)
-                self._steps_run += 1
-                # start the device-to-host copies now: by the time the host reads them (next
-                # iteration; the survivals `lag` steps later) they are there, no round trip
-                for out in (emitted, accepted, verified, survival if tier is not None else used):
-                    if out is not None:                   # mode none has no survivals
-                        out.copy_to_host_async()
-                history.append((rows, survival))
-                if self.recorder is not None:
-                    self.recorder.add(features, verified, accepted, temperature)
-                dispatched = (rows, emitted, accepted, verified, used if tier is None else tier)
-            if in_flight is not None:
-                rows, emitted, accepted, verified, step_tier = in_flight
-                self.tier_counts[int(step_tier)] += 1
-                emitted, accepted, verified = np.asarray(emitted), np.asarray(accepted), np.asarray(verified)
-                for row, req in enumerate(rows):
-                    if req is None or req.done:
-                        continue
-                    req.accepted.append(int(accepted[row]))
-                    req.verified.append(int(verified[row]))
-                    for tok in emitted[row, :accepted[row] + 1]:
-                        if not req.done:
-                            emit(req, tok)
-            in_flight = dispatched
+        ids = [
+            self.submit(
+                p,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=s,
+                stop=stop,
+                eos_token_id=eos_token_id,
+                name=f"prompt {i}",
+            )
+            for i, (p, s) in enumerate(zip(prompts, seeds))
+        ]
+        results = {}
+        while self.busy:
+            results.update((ev.request, ev.result) for ev in self.step() if ev.result is not None)
         self._warn_draft_non_finite()
-        return results
+        return [results[i] for i in ids]
 
     def _warn_draft_non_finite(self):
         """One warning when draft rows had non-finite logits in the last `generate` (reads the counter)."""
         count = int(self.state.draft_non_finite)
         if count:
-            warnings.warn(f"the draft's logits were not finite (NaN or inf) in {count} request-steps; those steps "
-                          "verified no drafts (the output is unchanged, only slower): the draft is broken",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"the draft's logits were not finite (NaN or inf) in {count} request-steps; those steps "
+                "verified no drafts (the output is unchanged, only slower): the draft is broken",
+                RuntimeWarning,
+                stacklevel=3,
+            )
