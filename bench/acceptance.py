@@ -26,18 +26,25 @@ def _floats(text):
     return [float(x) for x in text.split(",")]
 
 
-def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=0):
-    """Decode `prompts` in static mode with verify window `block`; returns a dict of the totals."""
+def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=0, trace_path=None):
+    """Decode `prompts` in static mode with verify window `block`; returns a dict of the totals.
+    trace_path: also save the timed run's estimator trace there (`jaxspec estimator TRACE
+    [--cost-table costs.json]` reads it)."""
     from jaxspec.config import SpecConfig
     from jaxspec.engine import Engine
+    from jaxspec.spec.calibration import TraceRecorder
 
     max_len = max(map(len, prompts)) + max_new_tokens + block + 1
     spec = SpecConfig(verify_mode="static", block_size=block, num_slots=len(prompts), max_len=max_len)
-    engine = Engine(target, draft, spec)
+    engine = Engine(target, draft, spec, record_trace=trace_path is not None)
     engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)  # compiles
+    if trace_path is not None:
+        engine.recorder = TraceRecorder()  # the timed run's steps only
     start = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     seconds = time.perf_counter() - start
+    if trace_path is not None:
+        engine.recorder.save(trace_path)
     bad = [r.error for r in results if r.error is not None]
     if bad:
         raise RuntimeError(f"a request was refused: {bad[0]}")
@@ -68,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus", help="directory whose *.py files are the corpus (default: the stdlib)")
+    ap.add_argument("--traces", action="store_true", help="save each case's trace as DIR/trace_b<block>_T<T>.npz")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"))
     args = ap.parse_args(argv)
 
@@ -83,6 +91,7 @@ def main(argv=None):
     if too_big:
         ap.error(f"argument --blocks: {too_big} exceed the draft's block size {draft.config.block_size}")
     prompts, _ = held_out_prompts(args.prompts, args.prompt_len, args.seed, args.corpus)
+    os.makedirs(args.out, exist_ok=True)
     rows = []
     for block in args.blocks:
         for temperature in args.temperatures:
@@ -94,6 +103,7 @@ def main(argv=None):
                 temperature=temperature,
                 max_new_tokens=args.max_new_tokens,
                 seed=args.seed,
+                trace_path=os.path.join(args.out, f"trace_b{block}_T{temperature:g}.npz") if args.traces else None,
             )
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -373,20 +373,10 @@ def main(args):
         )
 
     def compile_tiers(engine, b):
-        """Compile the step of every tier the host may pick (host dispatch), on a throwaway state."""
-        slots = jnp.arange(1, b + 1, dtype=jnp.int32)
-        for tier in engine.tier_tokens:
-            out = engine._step(
-                engine._init_state(),
-                engine.target,
-                engine.proposer,
-                slots,
-                None,
-                np.bool_(False),
-                greedy=args.temperature == 0,
-                tier=tier,
-            )
-            jax.block_until_ready(out[1])
+        """Compile the step of every tier the host may pick (host dispatch) ahead of the timed run."""
+        for name, lower in engine.lowerings(greedy=args.temperature == 0).items():
+            if name.startswith("step"):
+                lower().compile()
 
     def run_generate(b, mode, dispatch):
         engine = Engine(
@@ -405,17 +395,17 @@ def main(args):
         warmup = engine.spec.warmup_refits * engine.spec.refit_interval if mode in ("cap-accept", "compact") else 0
         t = time.perf_counter()
         gen(engine, b)
-        while engine._steps_run < warmup and not over_budget():
+        while engine.steps_run < warmup and not over_budget():
             gen(engine, b)
         if mode in ("cap-accept", "compact") and dispatch == "host":
             compile_tiers(engine, b)
         warm_s = time.perf_counter() - t
-        compiled = engine._step._cache_size()
-        counts, steps0 = collections.Counter(engine.tier_counts), engine._steps_run
+        compiled = engine.compiled_programs
+        counts, steps0 = collections.Counter(engine.tier_counts), engine.steps_run
         t = time.perf_counter()
         results = gen(engine, b)
         wall = time.perf_counter() - t
-        steps = engine._steps_run - steps0
+        steps = engine.steps_run - steps0
         tokens = sum(len(r.tokens) for r in results)
         req_steps = sum(r.stats["steps"] for r in results)
         committed = sum(a + 1 for r in results for a in r.stats["accepted"])
@@ -430,9 +420,9 @@ def main(args):
             step_ms=wall / steps * 1e3,
             accept_length=committed / req_steps if req_steps else None,
             tier_counts={int(k): v for k, v in (engine.tier_counts - counts).items()},
-            compiled_in_run=engine._step._cache_size() != compiled,
+            compiled_in_run=engine.compiled_programs != compiled,
             warmup_s=warm_s,
-            past_estimator_warmup=engine._steps_run - steps >= warmup,
+            past_estimator_warmup=engine.steps_run - steps >= warmup,
         )
         gen_rows.append(row)
         print(dump()[-1], flush=True)

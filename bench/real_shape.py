@@ -374,43 +374,14 @@ class Stepper:
         return lower_step(self.engine, self.batch, self.tier).compile().as_text()
 
 
-# Engine exposes no public handle of its jitted step and prefill, so the two helpers below read
-# engine._step / engine._prefill (bench only), with the argument types forced_step passes them.
-
-
-def _slots(engine, batch):
-    import numpy as np
-
-    slots = np.zeros(engine.spec.num_slots, np.int32)
-    slots[:batch] = np.arange(1, batch + 1)
-    return slots
-
-
 def lower_step(engine, batch, tier):
     """jax.stages.Lowered of the jitted step forced_step(batch, tier) calls."""
-    import numpy as np
-
-    e = engine
-    return e._step.lower(e.state, e.target, e.proposer, _slots(e, batch), None, np.bool_(True), greedy=True, tier=tier)
+    return engine.forced_lowerings(batch, tier)["step"]()
 
 
 def lower_prefill(engine, batch, prompt_len):
     """jax.stages.Lowered of the prefill forced_step(batch, ..., prompt_len=prompt_len) runs."""
-    import jax.numpy as jnp
-
-    from jaxspec.ops.sampling import SamplingParams
-
-    e = engine
-    return e._prefill.lower(
-        e.state,
-        e.target,
-        e.proposer,
-        jnp.zeros((batch, prompt_len), jnp.int32),
-        jnp.full((batch,), prompt_len, jnp.int32),
-        jnp.asarray(_slots(e, batch)[:batch]),
-        jnp.zeros((batch, 2), jnp.uint32),
-        SamplingParams.create(batch),
-    )
+    return engine.forced_lowerings(batch, engine.tier_tokens[-1], prompt_len=prompt_len)["prefill"]()
 
 
 def time_case(stepper, reps):
@@ -776,8 +747,4 @@ def markdown(info, rows, mem, bw_src, bw):
 
 
 if __name__ == "__main__":
-    a = parse()
-    if a.torch_copy:
-        benchutil.torch_copy_bandwidth(a.out)
-        sys.exit(0)
-    sys.exit(main(a))
+    benchutil.run_main(parse, main)

@@ -12,6 +12,16 @@ import json
 import os
 import sys
 
+from jaxspec.argtypes import (
+    bounded,
+    non_negative_float,
+    non_negative_int,
+    output_dir_problem,
+    output_file_problem,
+    positive_float,
+    positive_int,
+)
+
 # The tiny byte-level models trained by `jaxspec train` and shipped in the repository (models/README.md).
 MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
@@ -48,62 +58,6 @@ def _one_line(message) -> str:
     return " ".join(str(message).split())
 
 
-def output_file_problem(path) -> str | None:
-    """Why a file cannot be written at `path` (a directory, a missing or unwritable directory), or None."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{path!r} is a directory"
-    if not os.path.isdir(directory):
-        return f"{path!r}: directory {directory!r} does not exist"
-    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{path!r} is not writable"
-    return None
-
-
-def _output_dir_problem(path) -> str | None:
-    """Why directory `path` cannot be created or written (its nearest existing ancestor is a file or
-    unwritable), or None."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{path!r}: {existing!r} is not a directory"
-    if not os.access(existing, os.W_OK):
-        return f"{path!r}: {existing!r} is not writable"
-    return None
-
-
-def _bounded(name, cast, kind, rule, ok):
-    """argparse type: `cast` of the text, kept only where ok(value); messages name the argument."""
-
-    def parse(text):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {kind}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {value}")
-        return value
-
-    return parse
-
-
-def positive_int(name):
-    return _bounded(name, int, "an int", ">= 1", lambda v: v >= 1)
-
-
-def _non_negative_int(name):
-    return _bounded(name, int, "an int", ">= 0", lambda v: v >= 0)
-
-
-def _positive_float(name):
-    return _bounded(name, float, "a number", "> 0", lambda v: v > 0)
-
-
-def _non_negative_float(name):
-    return _bounded(name, float, "a number", ">= 0", lambda v: v >= 0)
-
-
 def _parser():
     from jaxspec.config import VERIFY_MODES
 
@@ -126,17 +80,17 @@ def _parser():
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
     gen.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
     gen.add_argument("--verify-mode", choices=VERIFY_MODES, default="static")
-    gen.add_argument("--temperature", type=_non_negative_float("--temperature"), default=0.0)
-    gen.add_argument("--top-k", type=_non_negative_int("--top-k"), default=0, help="0: off")
+    gen.add_argument("--temperature", type=non_negative_float("--temperature"), default=0.0)
+    gen.add_argument("--top-k", type=non_negative_int("--top-k"), default=0, help="0: off")
     gen.add_argument(
-        "--top-p", type=_bounded("--top-p", float, "a number", "in (0, 1]", lambda v: 0 < v <= 1), default=1.0
+        "--top-p", type=bounded("--top-p", float, "a number", "in (0, 1]", lambda v: 0 < v <= 1), default=1.0
     )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
     gen.add_argument("--max-len", type=positive_int("--max-len"), default=1024)
     gen.add_argument(
         "--block-size",
-        type=_bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
+        type=bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
         help="verify window (anchor + block_size - 1 drafts; default: the draft's block)",
     )
     gen.add_argument(
@@ -202,13 +156,13 @@ def _train_parser(train, common):
         p.add_argument("--steps", type=positive_int("--steps"), default=steps)
         p.add_argument("--batch", type=positive_int("--batch"), default=32, help="sequences per step")
         p.add_argument("--seq-len", type=positive_int("--seq-len"), default=512, help="tokens (bytes) per sequence")
-        p.add_argument("--lr", type=_positive_float("--lr"), default=2e-3, help="peak learning rate (AdamW)")
-        p.add_argument("--warmup", type=_non_negative_int("--warmup"), default=100, help="linear warmup steps")
-        p.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.1)
-        p.add_argument("--grad-clip", type=_positive_float("--grad-clip"), default=1.0)
+        p.add_argument("--lr", type=positive_float("--lr"), default=2e-3, help="peak learning rate (AdamW)")
+        p.add_argument("--warmup", type=non_negative_int("--warmup"), default=100, help="linear warmup steps")
+        p.add_argument("--weight-decay", type=non_negative_float("--weight-decay"), default=0.1)
+        p.add_argument("--grad-clip", type=positive_float("--grad-clip"), default=1.0)
         p.add_argument(
             "--eval-every",
-            type=_non_negative_int("--eval-every"),
+            type=non_negative_int("--eval-every"),
             default=200,
             help="steps between held-out evaluations and checkpoints (0: only at the end)",
         )
@@ -228,7 +182,7 @@ def _train_parser(train, common):
         )
         p.add_argument(
             "--time-limit",
-            type=_positive_float("--time-limit"),
+            type=positive_float("--time-limit"),
             help="seconds after which training stops early, evaluates and saves",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -257,7 +211,7 @@ def _train_parser(train, common):
     draft.add_argument("--anchors", type=positive_int("--anchors"), default=16, help="random blocks per sequence")
     draft.add_argument(
         "--gamma",
-        type=_positive_float("--gamma"),
+        type=positive_float("--gamma"),
         default=4.0,
         help="loss weight of block position k is exp(-(k-1)/gamma)",
     )
@@ -276,7 +230,7 @@ def _train(args, parser):
                 f"argument --corpus: {args.corpus!r} has {n_train} training and {n_held_out} held-out "
                 f"*.py files; both splits need some (held out: {', '.join(train.HELD_OUT_MODULES)})"
             )
-    problem = _output_dir_problem(args.out)
+    problem = output_dir_problem(args.out)
     if problem:
         parser.error(f"argument --out: {problem}")
     with parser.blame("--out"):

@@ -569,6 +569,28 @@ class Engine:
         self.state = self._init_state()
         return CostTable(entries)
 
+    def forced_lowerings(self, batch, tier, *, prompt_len=8) -> dict:
+        """What `forced_step(batch, tier, prompt_len=...)` compiles, as {"prefill": thunk, "step":
+        thunk}, each returning a jax.stages.Lowered (compile ahead, read the HLO, count the cost).
+        Lowering reads only the shapes of the state."""
+        slots = np.zeros(self.spec.num_slots, np.int32)
+        slots[:batch] = np.arange(1, batch + 1)
+        rows = self.spec.prefill_rows or batch
+        return {
+            "prefill": partial(self._lower_prefill, rows, prompt_len),
+            "step": lambda: self._step.lower(
+                self.state,
+                self.target,
+                self.proposer,
+                slots,
+                None,
+                np.bool_(True),
+                greedy=True,
+                tier=tier,
+                **self._simulate,
+            ),
+        }
+
     def lowerings(self, *, greedy: bool, prompt_lengths=()) -> dict:
         """What decoding compiles, as {name: thunk returning a jax.stages.Lowered}: the step at
         every tier decoding can pick (static and none: the full one; under tier_dispatch "switch"
@@ -653,8 +675,10 @@ class Engine:
             )
         return None
 
-    def _compiled(self) -> int:
-        """Compiled variants of this engine's step and prefill so far (they grow when a call compiles)."""
+    @property
+    def compiled_programs(self) -> int:
+        """Compiled variants of this engine's step and prefill so far (shared by engines of the same
+        configuration; the count grows when a call compiles)."""
         return self._step._cache_size() + self._prefill._cache_size()
 
     def _bucket(self, n):
@@ -762,7 +786,7 @@ class Engine:
             "verified": req.verified,
             "accept_length": (len(req.tokens) - 1) / steps if steps else 0.0,
             "tokens_per_s": len(req.tokens) / elapsed,
-            "includes_compilation": self._compiled() != req.compiled,
+            "includes_compilation": self.compiled_programs != req.compiled,
         }
         text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
         self._news.setdefault(req.id, [[], False, None])[2] = GenerationResult(
@@ -795,7 +819,7 @@ class Engine:
         lengths, slots, keys = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros((rows, 2), np.uint32)
         sampling_rows = [joining[0].sampling] * rows  # padding rows: the first request's
         for i, req in enumerate(joining):
-            req.slot, req.start, req.compiled = self._free.pop(0), time.perf_counter(), self._compiled()
+            req.slot, req.start, req.compiled = self._free.pop(0), time.perf_counter(), self.compiled_programs
             self._active[req.slot] = req
             tokens[i, : len(req.prompt)] = req.prompt
             lengths[i], slots[i], keys[i], sampling_rows[i] = len(req.prompt), req.slot, req.key, req.sampling

@@ -77,7 +77,8 @@ SMOKE = dict(
 
 
 def add_arguments(p):
-    from jaxspec.cli import DEFAULT_DRAFT, DEFAULT_TARGET, _non_negative_int, positive_int
+    from jaxspec.argtypes import non_negative_int, positive_int
+    from jaxspec.cli import DEFAULT_DRAFT, DEFAULT_TARGET
 
     dflt = lambda key: f" (default {DEFAULTS[key]}; --smoke: {SMOKE[key]})"
     p.add_argument("--out", required=True, help="directory for results.json, results.md and the PNGs")
@@ -152,7 +153,7 @@ def add_arguments(p):
     p.add_argument("--cost-tables", help="directory of compact cost tables to reuse / write (default: OUT/costs)")
     p.add_argument(
         "--host-turns",
-        type=_non_negative_int("--host-turns"),
+        type=non_negative_int("--host-turns"),
         help="host-loop turns timed, then as "
         "many traced, for the host share of a c = 1 step (0: none)" + dflt("host_turns"),
     )

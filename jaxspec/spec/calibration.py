@@ -463,7 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `estimator` command's arguments (for a sub-parser of the main CLI)."""
     # imported here: `python -m jaxspec.cli` runs after `import jaxspec` (-> engine -> this module),
     # which must not have imported jaxspec.cli already
-    from jaxspec.cli import positive_int
+    from jaxspec.argtypes import positive_int
 
     parser.add_argument("trace", help="trace .npz (features, verified, accepted[, temperature, step])")
     parser.add_argument("--plot", metavar="PNG", help="write a reliability plot")
@@ -475,11 +475,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="rows per replayed observe call when the trace has no step index",
     )
     parser.add_argument("--refit-interval", type=positive_int("--refit-interval"), default=100)
+    parser.add_argument(
+        "--cost-table",
+        help="cost table JSON (`jaxspec profile`): also replay the planner on the trace (recorded in static "
+        "mode, with its step index) and report compact against static (jaxspec.spec.replay)",
+    )
+    parser.add_argument(
+        "--num-tiers", type=positive_int("--num-tiers"), default=4, help="verify tiers of the replayed ladder"
+    )
     return parser
 
 
 def run(args, parser: argparse.ArgumentParser) -> int:
-    from jaxspec.cli import output_file_problem
+    from jaxspec.argtypes import output_file_problem
 
     if args.plot and output_file_problem(args.plot):
         parser.error(f"argument --plot: {output_file_problem(args.plot)}")
@@ -487,14 +495,32 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         trace = load_trace(args.trace)
     except (OSError, ValueError, KeyError) as e:
         parser.error(f"argument trace: cannot read {args.trace!r}: {e}")
+    costs = None
+    if args.cost_table is not None:
+        from jaxspec.spec.planner import CostTable
+
+        try:
+            costs = CostTable.load(args.cost_table)
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"argument --cost-table: cannot read {args.cost_table!r}: {e}")
     state = est.init(trace.num_positions, refit_interval=args.refit_interval)
     result = evaluate(trace, state, batch_rows=args.batch_rows)
+    if costs is not None:
+        from jaxspec.spec.replay import format_replay, replay_planner
+
+        try:
+            result["planner_replay"] = replay_planner(trace, costs, num_tiers=args.num_tiers, state=state)
+        except ValueError as e:
+            parser.error(f"argument --cost-table: {e}")
     if args.plot:
         reliability_plot(result, args.plot)
     if args.json:
         print(json.dumps(_json_ready(result)))
     else:
         print(format_report(result))
+        if costs is not None:
+            print()
+            print(format_replay(result["planner_replay"]))
         if args.plot:
             print(f"reliability plot: {args.plot}")
     return 0

@@ -1,0 +1,122 @@
+"""The offline planner replay (jaxspec.spec.replay) against a brute-force oracle of the planner's
+rule written from docs/design.md section 7, and the `jaxspec estimator --cost-table` command."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxspec.spec import calibration, layout, replay
+from jaxspec.spec.calibration import Trace, replay_online, save_trace
+from jaxspec.spec.planner import CostTable
+
+P = 7  # drafts a row (block 8)
+
+
+def _trace(seed, batches=(1, 3, 16, 16, 5, 16)):
+    """Steps of the given row counts; features and acceptance drawn so higher x accepts more."""
+    rng = np.random.default_rng(seed)
+    rows = sum(batches)
+    x = rng.normal(-1.0, 2.0, (rows, P)).astype(np.float32)
+    p = 1.0 / (1.0 + np.exp(-x))
+    ok = rng.uniform(size=(rows, P)) < p
+    accepted = np.argmin(np.c_[ok, np.zeros((rows, 1), bool)], axis=1).astype(np.int32)  # first rejection
+    step = np.repeat(np.arange(len(batches)), batches)
+    return Trace(x, np.full(rows, P, np.int32), accepted, step=step)
+
+
+def _table(per_token, fixed=1e-3, batches=(1, 3, 5, 16)):
+    """Seconds = fixed + per_token x tokens at every tier of each batch's ladder."""
+    entries = {}
+    for b in batches:
+        for t in layout.tiers(b, P + 1)[0]:
+            entries[(b, t)] = fixed + per_token * t
+    return CostTable(entries)
+
+
+def _oracle(trace, table, num_tiers=4):
+    """Totals of static and compact from the rule's definition, by loops in float64."""
+    surv, _ = replay_online(trace)
+    totals = {m: dict(verified=0, committed=0, seconds=0.0, rows=0) for m in ("static", "compact")}
+    for s in np.unique(trace.step):
+        idx = np.flatnonzero(trace.step == s)
+        n, sv, acc = len(idx), surv[idx], trace.accepted[idx]
+        tiers, admissible = layout.tiers(n, P + 1, num_tiers)
+        flat = sorted(
+            ((-sv[r, k], k, r) for r in range(n) for k in range(P)), key=lambda c: (c[0], c[1], c[2])
+        )  # survival descending, then position, then request
+        best, best_rate = None, -np.inf
+        for budget in sorted(admissible):
+            tau = n + sum(-c[0] for c in flat[:budget])
+            rate = tau / table.step_time(n, n + budget)
+            if rate > best_rate:
+                best, best_rate = budget, rate
+        lengths = np.zeros(n, int)
+        for _, _, r in flat[:best]:
+            lengths[r] += 1
+        tier = min(t for t in tiers if t >= n + best)
+        for mode, verified, ell in (("static", n * (P + 1), np.full(n, P)), ("compact", tier, lengths)):
+            t = totals[mode]
+            t["verified"] += verified
+            t["committed"] += int(np.sum(np.minimum(acc, ell) + 1))
+            t["seconds"] += table.step_time(n, verified)
+            t["rows"] += n
+    return totals
+
+
+@pytest.mark.parametrize("per_token", [1e-4, 1e-3, 1e-2], ids=["cheap-tokens", "mid", "dear-tokens"])
+def test_replay_matches_the_oracle(per_token):
+    trace, table = _trace(int(per_token * 1e5)), _table(per_token)
+    got = replay.replay_planner(trace, table)
+    want = _oracle(trace, table)
+    assert got["steps"] == 6 and got["rows"] == trace.num_rows
+    for mode in ("static", "compact"):
+        assert got[mode]["verified"] == want[mode]["verified"], mode
+        assert got[mode]["committed"] == want[mode]["committed"], mode
+        assert got[mode]["seconds"] == pytest.approx(want[mode]["seconds"], rel=1e-12)
+        assert got[mode]["accept_length"] == pytest.approx(want[mode]["committed"] / want[mode]["rows"], rel=1e-12)
+    assert got["verified_saving"] == pytest.approx(1 - want["compact"]["verified"] / want["static"]["verified"])
+    s, c = want["static"], want["compact"]
+    assert got["speedup"] == pytest.approx((c["committed"] / c["seconds"]) / (s["committed"] / s["seconds"]))
+    assert sum(r["steps"] for r in got["by_batch"].values()) == 6 and sorted(got["by_batch"]) == [1, 3, 5, 16]
+
+
+def test_dear_tokens_trim_and_free_tokens_do_not():
+    """When a verified token costs nothing beyond the step, compact verifies every block (same as
+    static); when it dominates the step, compact verifies fewer tokens and loses some acceptance."""
+    trace = _trace(4)
+    flat = replay.replay_planner(trace, _table(0.0))
+    assert flat["verified_saving"] == 0.0 and flat["accept_length_loss"] == 0.0
+    dear = replay.replay_planner(trace, _table(1e-2, fixed=1e-4))
+    assert dear["verified_saving"] > 0.3 and 0.0 < dear["accept_length_loss"] < 1.0 and dear["speedup"] > 1.0
+
+
+def test_replay_refuses_traces_it_cannot_replay():
+    trace = _trace(5)
+    with pytest.raises(ValueError, match="step index"):
+        replay.replay_planner(Trace(trace.features, trace.verified, trace.accepted), _table(1e-3))
+    capped = trace.verified.copy()
+    capped[0] = 3
+    with pytest.raises(ValueError, match="static mode"):
+        replay.replay_planner(
+            Trace(trace.features, capped, np.minimum(trace.accepted, 3), step=trace.step), _table(1e-3)
+        )
+    with pytest.raises(ValueError, match="two token counts"):
+        replay.replay_planner(trace, CostTable({(1, 8): 1e-3}))
+
+
+def test_estimator_command_prints_the_replay(tmp_path, capsys):
+    trace = _trace(6)
+    save_trace(tmp_path / "t.npz", trace.features, trace.verified, trace.accepted, step=trace.step)
+    _table(1e-2, fixed=1e-4).save(tmp_path / "costs.json")
+    assert calibration.main([str(tmp_path / "t.npz"), "--cost-table", str(tmp_path / "costs.json"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["planner_replay"]
+    want = replay.replay_planner(trace, CostTable.load(tmp_path / "costs.json"))
+    assert got["compact"] == want["compact"] and got["static"] == want["static"]
+    assert calibration.main([str(tmp_path / "t.npz"), "--cost-table", str(tmp_path / "costs.json")]) == 0
+    text = capsys.readouterr().out
+    assert "planner replay" in text and f"{want['verified_saving']:.1%}" in text
+    save_trace(tmp_path / "nostep.npz", trace.features, trace.verified, trace.accepted)
+    with pytest.raises(SystemExit) as e:
+        calibration.main([str(tmp_path / "nostep.npz"), "--cost-table", str(tmp_path / "costs.json")])
+    assert e.value.code == 2 and "--cost-table" in capsys.readouterr().err
