@@ -77,8 +77,16 @@ def np_stats(a, b, x, verified, accepted):
     p = 1.0 / (1.0 + np.exp(-(a * xs + b)))
     w = np.where(obs, p * (1 - p), 0.0)
     r = np.where(obs, np.nan_to_num(y) - p, 0.0)
+    x_mean = (w * xs).sum() / w.sum()
     return dict(
-        h_xx=(w * xs * xs).sum(), h_x=(w * xs).sum(0), h_1=w.sum(0), g_x=(r * xs).sum(), g_1=r.sum(0), n=int(obs.sum())
+        h_xx=(w * xs * xs).sum(),
+        h_x=(w * xs).sum(0),
+        h_1=w.sum(0),
+        g_x=(r * xs).sum(),
+        g_1=r.sum(0),
+        n=int(obs.sum()),
+        x_bar=np.where(w.sum(0) > 0, (w * xs).sum(0) / np.maximum(w.sum(0), 1e-300), x_mean),
+        sd=np.sqrt(max((w * (xs - x_mean) ** 2).sum() / w.sum(), 0.0)),
     )
 
 
@@ -101,7 +109,9 @@ def np_newton(a, b, st, ridge, damping):
     if a + da < 0:
         da = 0.0
     db = np.linalg.solve(H[1:, 1:], f * g[1:] - H[1:, 0] * da)
-    return a + da, np.asarray(b) + db, step
+    worst = np.max(np.abs(da * st["x_bar"] + db) + abs(da) * st["sd"])  # the trust region
+    scale = min(1.0, est.MAX_LOGIT_STEP / worst)
+    return a + scale * da, np.asarray(b) + scale * db, step, scale
 
 
 # ------------------------------------------------------------------------------------- init
@@ -199,7 +209,7 @@ def test_arrowhead_solve_equals_a_dense_solve():
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", ["plain", "halved", "dropped"])
+@pytest.mark.parametrize("case", ["plain", "halved", "dropped", "trust"])
 def test_one_refit_is_one_damped_newton_step(case):
     rng = np.random.default_rng(5)
     P, B = 5, 300
@@ -208,17 +218,21 @@ def test_one_refit_is_one_damped_newton_step(case):
         a0, x, v, acc = 0.7, *(t[0] for t in gen(rng, 1, B, 1.2, b0))
     elif case == "halved":  # data slope -1 from a = 0.05: the step is halved until a >= 0
         a0, x, v, acc = 0.05, *(t[0] for t in gen(rng, 1, B, -1.0, b0))
-    else:  # from a = 0 a negative step can never be taken: dropped
+    elif case == "dropped":  # from a = 0 a negative step can never be taken: dropped
         a0, x, v, acc = 0.0, *(t[0] for t in gen(rng, 1, B, -1.0, b0))
+    else:  # from intercepts of -12 (every p ~ 0) the Newton step overshoots: the trust region cuts it
+        a0, x, v, acc = 0.7, *(t[0] for t in gen(rng, 1, B, 1.2, b0))
+        b0 = [-12.0] * P
     state = est.init(P, slope=a0, intercept=b0, refit_interval=1)
     a32 = float(state.slope)
     b32 = np.asarray(state.intercepts, np.float64)
     st = np_stats(a32, b32, x, v, acc)
-    a_ref, b_ref, full_step = np_newton(a32, b32, st, 1e-3, 50.0)
+    a_ref, b_ref, full_step, scale = np_newton(a32, b32, st, 1e-3, 50.0)
     if case == "plain":
         assert a32 + full_step[0] > 0
-    else:
+    elif case != "trust":
         assert a32 + full_step[0] < 0
+    assert (scale < 0.5) == (case == "trust"), scale
     if case == "dropped":
         assert a_ref == a32
     new = _observe(state, x, v, acc)  # refit_interval = 1: refits on this call

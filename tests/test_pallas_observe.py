@@ -56,7 +56,37 @@ def started_state(rng, positions, refit):
 
 def test_constants_match_the_estimator():
     """The kernel keeps its own copies (jaxspec.spec.estimator imports this module): no drift."""
-    assert (po.FEATURE_CLAMP, po.MAX_SLOPE_HALVINGS) == (est.FEATURE_CLAMP, est.MAX_SLOPE_HALVINGS)
+    assert (po.FEATURE_CLAMP, po.MAX_SLOPE_HALVINGS, po.MAX_LOGIT_STEP) == (
+        est.FEATURE_CLAMP,
+        est.MAX_SLOPE_HALVINGS,
+        est.MAX_LOGIT_STEP,
+    )
+
+
+def test_trust_region_matches_reference():
+    """Narrow features far below the intercepts' range (as a random-weight draft gives) and
+    acceptance near 0.8: the raw Newton step from p ~ 0 is huge; both paths cut it to the same step
+    and the learnt acceptance moves towards the data over a few refits without blowing up."""
+    rng = np.random.default_rng(21)
+    positions, batch = 7, 32
+    ref = got = est.init(positions, refit_interval=5)
+    step = kernel(None, True, poison=False)
+    for i in range(30):
+        x = rng.normal(-8.4, 0.25, (batch, positions)).astype(np.float32)
+        p = 1 / (1 + np.exp(-(9.0 * x + 77.0)))
+        accepted = np.argmin(
+            np.concatenate([rng.random((batch, positions)) < p, np.zeros((batch, 1), bool)], 1), axis=1
+        ).astype(np.int32)
+        args = (jnp.asarray(x), jnp.asarray(np.full(batch, positions, np.int32)), jnp.asarray(accepted))
+        before = float(ref.intercepts[0])
+        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args)
+        if i == 4:  # the first refit: one trust-region step of at most MAX_LOGIT_STEP at x ~ -8.4
+            change = abs(float(ref.intercepts[0]) - before + (float(ref.slope) - 0.5) * -8.4)
+            assert 1.0 < change <= est.MAX_LOGIT_STEP + 1e-3, change
+        np.testing.assert_allclose(float(got.slope), float(ref.slope), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.intercepts), np.asarray(ref.intercepts), rtol=1e-4, atol=1e-3)
+    _, survival = est.predict(ref, jnp.asarray(rng.normal(-8.4, 0.25, (256, positions)).astype(np.float32)))
+    assert 2.0 < 1 + float(jnp.mean(jnp.sum(survival, axis=1))) < 7.0  # the data's accept length is ~4.3
 
 
 def test_config_validation():

@@ -30,6 +30,7 @@ from jaxspec.pallas.tiles import check_pow2_fields
 
 FEATURE_CLAMP = 40.0  # as jaxspec.spec.estimator.FEATURE_CLAMP
 MAX_SLOPE_HALVINGS = 8  # as jaxspec.spec.estimator.MAX_SLOPE_HALVINGS
+MAX_LOGIT_STEP = 4.0  # as jaxspec.spec.estimator.MAX_LOGIT_STEP
 FIELDS = ("slope", "intercepts", "h_xx", "h_x", "h_1", "g_x", "g_1", "n", "calls")
 
 
@@ -148,6 +149,14 @@ def _kernel(
         da = jnp.where(slope + da < 0, da * 0.5, da)
     da = jnp.where(slope + da < 0, 0.0, da)
     db = (f * g_1 - h_x * da) / d
+    # the trust region (jaxspec.spec.estimator.trust_scale)
+    total = jnp.maximum(jnp.sum(jnp.where(live_k, h_1, 0.0)), 1e-30)
+    mean = jnp.sum(jnp.where(live_k, h_x, 0.0)) / total
+    sd = jnp.sqrt(jnp.maximum(h_xx / total - mean * mean, 0.0))
+    x_bar = jnp.where(h_1 > 0, h_x / jnp.where(h_1 > 0, h_1, 1.0), mean)
+    worst = jnp.max(jnp.where(live_k, jnp.abs(da * x_bar + db) + jnp.abs(da) * sd, 0.0))
+    scale = jnp.where(worst > MAX_LOGIT_STEP, MAX_LOGIT_STEP / jnp.where(worst > 0, worst, 1.0), 1.0)
+    da, db = scale * da, scale * db
     ok = ok & _finite(da) & all_finite(db)
     new_a = jnp.where(ok, slope + da, slope)
     new_b = jnp.where(ok, b + db, b)

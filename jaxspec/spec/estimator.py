@@ -28,7 +28,13 @@ damped by f = n / (n + damping) (n = observations since the last refit), i.e. it
 ``H d = f g``. A slope step that would make the slope negative is halved (at most 8 times) and
 dropped if it still does; the intercepts then take their Newton step given the slope step
 actually taken: ``db = (f g_b - h_ab da) / (h_bb + r)``, which is exactly ``f`` times the
-Newton step when the slope step was not cut. A non-finite step is dropped whole.
+Newton step when the slope step was not cut. Last, a trust region scales (da, db) by one factor
+so that no position's logit moves by more than MAX_LOGIT_STEP at a typical observation:
+``|da x̄_k + db_k| + |da| sd(x) <= MAX_LOGIT_STEP`` (x̄_k and sd(x) weighted by w, from the
+statistics). Far from the data (every p near 0 or 1) the weights vanish and the raw Newton step
+is huge and overshoots; features of a narrow range (random-weight drafts) make the slope and the
+intercepts nearly collinear, so the step would swing them against each other without it. A
+non-finite step is dropped whole.
 """
 
 from __future__ import annotations
@@ -46,8 +52,19 @@ from jaxspec.pallas import observe as pallas_observe
 
 FEATURE_CLAMP = 40.0  # |x| <= 40: logit(q_max) is clamped (q_max = 1 exactly gives +inf)
 MAX_SLOPE_HALVINGS = 8
+MAX_LOGIT_STEP = 4.0  # a refit moves the logit of a typical observation by at most this much
 
-__all__ = ["EstimatorState", "init", "features", "predict", "observe", "refit", "arrowhead_solve", "FEATURE_CLAMP"]
+__all__ = [
+    "EstimatorState",
+    "init",
+    "features",
+    "predict",
+    "observe",
+    "refit",
+    "arrowhead_solve",
+    "trust_scale",
+    "FEATURE_CLAMP",
+]
 
 
 @struct.dataclass
@@ -315,6 +332,22 @@ def arrowhead_solve(h_aa, h_ab, h_bb, g_a, g_b, ridge):
     return da, db
 
 
+def trust_scale(da, db, h_xx, h_x, h_1, live=None):
+    """The factor in (0, 1] that keeps the step's logit change within MAX_LOGIT_STEP: over
+    positions k (those with `live` [P] True), max |da x̄_k + db_k| + |da| sd(x), where x̄_k =
+    h_x,k / h_1,k (the overall weighted mean where position k has no weight) and sd(x) is the
+    weighted standard deviation of every observation."""
+    live = jnp.ones(h_1.shape, bool) if live is None else live
+    total = jnp.sum(jnp.where(live, h_1, 0.0))
+    safe = jnp.maximum(total, jnp.float32(1e-30))
+    mean = jnp.sum(jnp.where(live, h_x, 0.0)) / safe
+    sd = jnp.sqrt(jnp.maximum(h_xx / safe - mean * mean, 0.0))
+    x_bar = jnp.where(h_1 > 0, h_x / jnp.where(h_1 > 0, h_1, 1.0), mean)
+    change = jnp.where(live, jnp.abs(da * x_bar + db) + jnp.abs(da) * sd, 0.0)
+    worst = jnp.max(change)
+    return jnp.where(worst > MAX_LOGIT_STEP, MAX_LOGIT_STEP / jnp.where(worst > 0, worst, 1.0), 1.0)
+
+
 def refit(state: EstimatorState) -> EstimatorState:
     """One damped Newton step from the accumulated statistics, then clear them (keeps `calls`)."""
     ridge = jnp.float32(state.ridge)
@@ -328,6 +361,8 @@ def refit(state: EstimatorState) -> EstimatorState:
         da = jnp.where(a + da < 0, da * 0.5, da)
     da = jnp.where(a + da < 0, 0.0, da)
     db = (f * state.g_1 - state.h_x * da) / (state.h_1 + ridge)  # given the slope step taken
+    scale = trust_scale(da, db, state.h_xx, state.h_x, state.h_1)
+    da, db = scale * da, scale * db
     ok = ok & jnp.isfinite(da) & _all_finite(db)
     new_a = jnp.where(ok, a + da, a)
     new_b = jnp.where(ok, state.intercepts + db, state.intercepts)
