@@ -92,10 +92,12 @@ def moe_reference(x, weights, experts, gate_up, down, valid):
     one_hot = experts[..., None] == jnp.arange(n_experts)  # [T, k, E]
     sel = jnp.any(one_hot, axis=1) & valid[:, None]  # [T, E]
     c = jnp.sum(jnp.where(one_hot, weights.astype(jnp.float32)[..., None], 0.0), axis=1)  # [T, E]
-    prec = HIGHEST if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32) else None
-    h = jnp.einsum("td,edi->tei", x, gate_up.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
-    act = _swiglu(h.astype(x.dtype), x.dtype)  # [T, E, Ie]
-    y = jnp.einsum("tei,eid->ted", act, down.astype(x.dtype), precision=prec, preferred_element_type=jnp.float32)
+    # as `linear.dense`: float32 at HIGHEST, bf16 products with a bf16 result
+    f32 = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)
+    prec, acc = (HIGHEST, jnp.float32) if f32 else (None, None)
+    h = jnp.einsum("td,edi->tei", x, gate_up.astype(x.dtype), precision=prec, preferred_element_type=acc)
+    act = _swiglu(h, x.dtype)  # [T, E, Ie]
+    y = jnp.einsum("tei,eid->ted", act, down.astype(x.dtype), precision=prec, preferred_element_type=acc)
     y = y.astype(x.dtype).astype(jnp.float32)  # [T, E, d], rounded as the ragged path rounds
     return jnp.sum(jnp.where(sel[..., None], c[..., None] * y, 0.0), axis=1).astype(x.dtype)
 
