@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from oracle import f64, seed_of, sigmoid, silu
 from safetensors.numpy import load_file, save_file
+from stats import chi2_test
 
 import jaxspec
 from jaxspec import cache as cache_mod
@@ -332,11 +333,13 @@ def test_init_target_builds_moe_targets():
     model = tgt.init_target(config, jax.random.PRNGKey(0))
     shapes = jax.tree_util.tree_map(lambda x: tuple(x.shape), model.params)
     assert shapes == param_shapes(config)
-    assert float(jnp.std(model.params["layers"][0]["moe"]["gate_up"])) == pytest.approx(
-        config.hidden_size**-0.5, rel=0.1
-    )  # N(0, 1/fan_in) per expert
-    logits = np.asarray(jaxspec.target_logits(model, np.arange(13) * 7 % config.vocab_size))
-    assert np.all(np.isfinite(logits))
+    layer = model.params["layers"][0]["moe"]
+    assert float(jnp.std(layer["gate_up"])) == pytest.approx(config.hidden_size**-0.5, rel=0.1)  # N(0, 1/fan_in)
+    x = jax.random.normal(jax.random.PRNGKey(1), (13, config.hidden_size))
+    _, experts = moe.route(x, layer["router"], config.num_experts_per_tok, True)
+    assert len(np.unique(np.asarray(experts))) > config.num_experts_per_tok  # tokens route differently
+    out = moe.sparse_moe_block(layer, x, jnp.ones(13, bool), top_k=config.num_experts_per_tok, norm_topk_prob=True)
+    assert np.all(np.isfinite(np.asarray(out)))
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -371,6 +374,86 @@ def test_static_greedy_is_lossless_with_moe_target(models):
     got = spec.generate(prompts, max_new_tokens=16)
     assert [r.error for r in got] == [None] * 3
     assert [r.tokens for r in got] == want
+
+
+@pytest.mark.slow
+def test_speculative_sampling_with_moe_target_is_lossless():
+    """The first three tokens of static-mode speculative sampling (random draft, temperature 1)
+    follow the MoE target's own distribution: chi-square of 10,240 seeded requests against the
+    joint of (t1, t2, t3) enumerated with cache-free forwards (as tests/test_engine_sampling.py,
+    vocabulary 16, a random all-MoE Qwen3.5-MoE target of 6 experts, top 2)."""
+    vocab, slots, rounds, prompt = 16, 512, 20, [3, 1, 4, 1]
+    config = TargetConfig(
+        layout="qwen3_5_moe_text",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=0,
+        num_hidden_layers=4,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        rms_norm_eps=1e-6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        moe_layers=(0, 1, 2, 3),
+    )
+    target = tgt.init_target(config, jax.random.PRNGKey(11))
+    target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 4.0})
+    draft = dflash.init_draft(
+        DraftConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=vocab,
+            block_size=4,
+            target_layer_ids=(1, 3),
+            mask_token_id=vocab - 1,
+            target_hidden_size=32,
+        ),
+        jax.random.PRNGKey(12),
+    )
+    forward = jax.jit(
+        lambda seqs: tgt.prefill_layers(target, seqs, jnp.full(seqs.shape[:1], seqs.shape[1], jnp.int32), (), "ref")[0][
+            :, -1
+        ]
+    )
+
+    def next_probs(prefixes):
+        logits = forward(jnp.asarray([prompt + list(p) for p in prefixes], jnp.int32))
+        return np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+
+    p1 = next_probs([()])[0]
+    p2 = next_probs([(a,) for a in range(vocab)])
+    p3 = next_probs([(a, b) for a in range(vocab) for b in range(vocab)]).reshape(vocab, vocab, vocab)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    engine = Engine(target, draft, SpecConfig(verify_mode="static", num_slots=slots, max_len=16, max_top_k=vocab))
+    counts = np.zeros((vocab,) * 3)
+    for r in range(rounds):
+        results = engine.generate(
+            [prompt] * slots, max_new_tokens=3, temperature=1.0, seed=list(range(r * slots, (r + 1) * slots))
+        )
+        np.add.at(counts, tuple(np.array([x.tokens for x in results]).T), 1)
+    pvalues = {
+        "joint12": chi2_test(counts.sum(2), joint.sum(2))[2],
+        "t2": chi2_test(counts.sum((0, 2)), joint.sum((0, 2)))[2],
+        "t3": chi2_test(counts.sum((0, 1)), joint.sum((0, 1)))[2],
+    }
+    assert min(pvalues.values()) > 1e-3, pvalues
 
 
 # ---------------------------------------------------------------------------- configs
