@@ -238,16 +238,32 @@ class Checkpoint:
 
     def read(self, name: str, shape: tuple) -> np.ndarray:
         """Tensor `name` as a numpy array (bfloat16 via ml_dtypes), checked to be `shape`."""
-        if name not in self.file_of:
-            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
-        with _open(self.file_of[name]) as f:
-            got = tuple(f.get_slice(name).get_shape())
-            if got != tuple(shape):
-                raise ValueError(f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
-            try:
-                return f.get_tensor(name)
-            except SafetensorError as e:
-                raise ValueError(f"{self.file_of[name]}: tensor {name!r} cannot be read ({e})") from None
+        return self.read_stack([name], shape)[0]
+
+    def read_stack(self, names: list[str], shape: tuple) -> np.ndarray:
+        """Tensors `names`, each checked to be `shape`, stacked into [len(names), *shape]; each
+        file is opened once (a layer's per-expert tensors are thousands)."""
+        for name in names:
+            if name not in self.file_of:
+                raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        by_file = {}
+        for j, name in enumerate(names):
+            by_file.setdefault(self.file_of[name], []).append(j)
+        out = None
+        for file, rows in by_file.items():
+            with _open(file) as f:
+                for j in rows:
+                    got = tuple(f.get_slice(names[j]).get_shape())
+                    if got != tuple(shape):
+                        raise ValueError(f"tensor {names[j]!r} has shape {got}, the config needs {tuple(shape)}")
+                    try:
+                        x = f.get_tensor(names[j])
+                    except SafetensorError as e:
+                        raise ValueError(f"{file}: tensor {names[j]!r} cannot be read ({e})") from None
+                    if out is None:
+                        out = np.empty((len(names),) + tuple(shape), x.dtype)
+                    out[j] = x
+        return out
 
     def first_non_finite(self, name: str) -> str:
         """Where tensor `name` first holds NaN or inf, e.g. 'nan at [0, 3]' (reads it again)."""
@@ -267,16 +283,16 @@ class FiniteCheck:
         self.ckpt, self.names, self.flags = ckpt, [], []
 
     def add(self, name: str, x) -> None:
-        self.names.append(name)
-        self.flags.append(jnp.all(jnp.isfinite(x)))
+        self.add_stacked([name], x[None])
 
     def add_stacked(self, names: list[str], x) -> None:
         """One flag per entry of x's leading axis, entry j read from tensor names[j]."""
         self.names += names
-        self.flags += list(jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))))
+        self.flags.append(jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))))  # [len(names)]
 
     def check(self) -> None:
-        bad = [n for n, ok in zip(self.names, jax.device_get(self.flags)) if not ok]
+        flags = np.concatenate(jax.device_get(self.flags)) if self.flags else np.ones(0, bool)
+        bad = [n for n, ok in zip(self.names, flags) if not ok]
         if bad:
             more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
             raise ValueError(
@@ -351,12 +367,12 @@ def _read_experts(ckpt: Checkpoint, finite: FiniteCheck, config: TargetConfig, l
         finite.add(gate_up_name, gate_up)
         finite.add(down_name, down)
     else:
-        per = names["per_expert"]
-        gate = jnp.asarray(np.stack([ckpt.read(g, (ie, d)) for g, _, _ in per]))  # [E, Ie, d]
-        up = jnp.asarray(np.stack([ckpt.read(u, (ie, d)) for _, u, _ in per]))
-        down = jnp.asarray(np.stack([ckpt.read(dn, (d, ie)) for _, _, dn in per]))  # [E, d, Ie]
+        per = [[triple[j] for triple in names["per_expert"]] for j in range(3)]  # gate, up, down names
+        gate = jnp.asarray(ckpt.read_stack(per[0], (ie, d)))  # [E, Ie, d]
+        up = jnp.asarray(ckpt.read_stack(per[1], (ie, d)))  # [E, Ie, d]
+        down = jnp.asarray(ckpt.read_stack(per[2], (d, ie)))  # [E, d, Ie]
         for j, x in enumerate((gate, up, down)):
-            finite.add_stacked([names[j] for names in per], x)
+            finite.add_stacked(per[j], x)
         gate_up = jnp.concatenate([gate, up], axis=1)
     return {"gate_up": gate_up.transpose(0, 2, 1).astype(dtype), "down": down.transpose(0, 2, 1).astype(dtype)}
 
