@@ -16,8 +16,9 @@ Two implementations of the routed experts, picked by `impl` like every op (ops/d
 - `moe_ragged` (impl "auto" / "pallas"; there is no Pallas kernel): the T·k (token, expert)
   pairs sorted by expert id, two `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the
   k results of a token combined in float32. No capacity limit: a group is as long as its expert's
-  tokens. Rows with valid = False go to a null group past the E real ones, which ragged_dot does
-  not compute (their rows come out 0).
+  tokens. Rows with valid = False go to a null group past the E real ones (sorted last, outside
+  every group size), so no expert computes them, and the combine selects them away (whatever
+  ragged_dot leaves in rows outside its groups: zeros on the CPU).
 - `moe_reference` (impl "ref", the oracle): every expert on every token, combined through the
   dense [T, E] routing weights.
 Both select (`where`), never multiply by a zero weight, so a non-finite value in one row (or in an
