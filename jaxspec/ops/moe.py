@@ -10,7 +10,10 @@ D_e = down[e] [Ie, d], the shared expert S and its gate s [d, 1]:
 as transformers' Qwen3NextSparseMoeBlock / Qwen3_5MoeSparseMoeBlock compute it: softmax in
 float32 over the router logits (which are in the activation dtype), torch.topk, renormalise in
 float32, the weights cast to the activation dtype. Ties: jax.lax.top_k takes the lower expert id
-first; torch.topk on the CPU has no fixed rule (tests/test_moe.py says what it does).
+first; torch.topk on the CPU has no fixed rule (tests/test_moe.py says what it does). One choice of
+ours: the k weighted expert outputs and the gated shared expert are summed in float32 and rounded
+once to the activation dtype (transformers adds them in the activation dtype, expert by expert;
+the same thing in float32).
 
 Two implementations of the routed experts, picked by `impl` like every op (ops/dispatch.py):
 - `moe_ragged` (impl "auto" / "pallas"; there is no Pallas kernel): the T·k (token, expert)
