@@ -507,6 +507,9 @@ def test_moe_layouts_parse_and_round_trip(models):
     bare = {k: v for k, v in text.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     c = TargetConfig.from_hf(bare)
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (256, 8, 512)
+    # a Qwen3-Next config without num_experts is MoE, as transformers builds it (512 experts)
+    c = TargetConfig.from_hf({k: v for k, v in next_moe().items() if k != "num_experts"})
+    assert c.num_experts == 512 and c.moe_layers == (1, 5)
     with pytest.raises(ValueError, match="text_config.model_type='qwen3_5_text'"):
         TargetConfig.from_hf({**vlm, "text_config": {**vlm["text_config"], "model_type": "qwen3_5_text"}})
 
