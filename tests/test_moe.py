@@ -336,7 +336,7 @@ def test_verify_windows_and_decode_match_whole_prefill(models):
         for i, n in enumerate(lengths):
             ref = np.asarray(want[i, pos[i] : pos[i] + n])
             err = np.abs(np.asarray(logits[qsl[i] : qsl[i + 1]]) - ref).max() / np.abs(ref).max()
-            assert err <= 2e-5, f"step {step} request {i}: {err:.3g}"  # measured <= 3e-6
+            assert err <= 5e-6, f"step {step} request {i}: {err:.3g}"  # measured 2026-12-05: <= 1.4e-6
             pos[i] += n
         state = commit(state, slots, jnp.array([n - 1 for n in lengths] + [0], jnp.int32))
 
