@@ -2,7 +2,7 @@
 
 A bad value raises `ValueError` whose message names the field, the value and the rule, e.g.
 ``CacheConfig.ring_len=24: must be a power of two >= 16``. A configuration the library does not
-implement yet (mixture-of-experts MLPs, scaled RoPE, attention biases) raises
+implement yet (scaled RoPE, attention biases, activations other than SiLU) raises
 `NotImplementedError` naming the field that asks for it.
 """
 
@@ -15,15 +15,25 @@ import os
 from typing import Any
 
 LAYOUTS = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+MOE_LAYOUTS = ("qwen3_5_moe", "qwen3_5_moe_text")
 LAYER_TYPES = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16")
 FOLD_POLICIES = ("every", "lazy")
 
-_MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 _ARCHITECTURES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
+# The text model type of each layout (the composite layouts hold it under "text_config").
+_TEXT_TYPES = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
 }
 
 
@@ -41,7 +51,7 @@ def _is_real(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """Shapes and hyper-parameters of a dense GDN-hybrid target (Qwen3.5 / Qwen3-Next).
+    """Shapes and hyper-parameters of a GDN-hybrid target (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
 
     `layout` is the HF checkpoint layout the config was read from and is written back in:
       - "qwen3_5": the released `Qwen3_5ForConditionalGeneration` (text fields under
@@ -50,12 +60,24 @@ class TargetConfig:
       - "qwen3_5_text": text-only `Qwen3_5ForCausalLM` (flat fields, "rope_parameters",
         weights under "model.");
       - "qwen3_next": `Qwen3NextForCausalLM` (flat fields, rope_theta and
-        partial_rotary_factor at the top level, fused key-head-grouped GDN projections).
+        partial_rotary_factor at the top level or in rope_parameters, fused key-head-grouped
+        GDN projections);
+      - "qwen3_5_moe": the released `Qwen3_5MoeForConditionalGeneration` (as "qwen3_5", text
+        model type "qwen3_5_moe_text"); "qwen3_5_moe_text": `Qwen3_5MoeForCausalLM` (as
+        "qwen3_5_text"). Every layer of these two is mixture-of-experts.
     Layer i is `layer_types[i]` ("linear_attention" = Gated DeltaNet, "full_attention" = gated
     GQA attention). GDN dims: H = linear_num_key_heads, HV = linear_num_value_heads,
     K = linear_key_head_dim, V = linear_value_head_dim, W = linear_conv_kernel_dim.
     `eos_token_id` is a tuple (empty when the checkpoint names none). The instance is
     hashable, so it can be a static argument of a jitted function.
+
+    Mixture-of-experts (docs/design.md section 2): the layers in `moe_layers` replace the SwiGLU
+    MLP of width `intermediate_size` by a sparse block: a router (softmax over `num_experts`,
+    the top `num_experts_per_tok`, renormalised to sum 1 iff `norm_topk_prob`), SwiGLU experts
+    of width `moe_intermediate_size` and a shared SwiGLU expert of width
+    `shared_expert_intermediate_size` scaled by sigmoid(x . shared_expert_gate). A dense
+    config has moe_layers == () and the four expert sizes 0; `intermediate_size` may be 0 only
+    when every layer is MoE (Qwen3.5-MoE has no dense MLP).
     """
 
     layout: str
@@ -78,10 +100,16 @@ class TargetConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_id: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Sequences given as lists become tuples so the config stays hashable.
-        for name in ("layer_types", "eos_token_id"):
+        for name in ("layer_types", "eos_token_id", "moe_layers"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
                 raise _fail("TargetConfig", name, value, "must be a sequence")
@@ -92,12 +120,11 @@ class TargetConfig:
         def bad(field, rule):
             return _fail("TargetConfig", field, getattr(self, field), rule)
 
-        if self.layout not in LAYOUTS:
-            raise bad("layout", f"must be one of {LAYOUTS}")
+        if self.layout not in LAYOUTS + MOE_LAYOUTS:
+            raise bad("layout", f"must be one of {LAYOUTS + MOE_LAYOUTS}")
         for field in (
             "vocab_size",
             "hidden_size",
-            "intermediate_size",
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
@@ -138,6 +165,34 @@ class TargetConfig:
             raise bad("tie_word_embeddings", "must be a bool")
         if any(not _is_int(t) or not 0 <= t < self.vocab_size for t in self.eos_token_id):
             raise bad("eos_token_id", f"every id must be an int in [0, vocab_size={self.vocab_size})")
+        self._validate_moe(bad)
+
+    def _validate_moe(self, bad):
+        n = self.num_hidden_layers
+        if any(not _is_int(i) or not 0 <= i < n for i in self.moe_layers) or list(self.moe_layers) != sorted(
+            set(self.moe_layers)
+        ):
+            raise bad("moe_layers", f"must be ascending distinct layer indices in [0, num_hidden_layers={n})")
+        all_moe = len(self.moe_layers) == n
+        if not _is_int(self.intermediate_size) or self.intermediate_size < (0 if all_moe else 1):
+            raise bad("intermediate_size", "must be a positive int" + ("" if all_moe else " (a layer is dense)"))
+        if self.layout in MOE_LAYOUTS and not all_moe:
+            raise bad("moe_layers", f"layout {self.layout!r} makes every layer mixture-of-experts")
+        if self.layout in ("qwen3_5", "qwen3_5_text") and self.moe_layers:
+            raise bad("moe_layers", f"layout {self.layout!r} is dense; the MoE layouts are {MOE_LAYOUTS}")
+        sizes = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+        if not self.moe_layers:
+            for field in sizes:
+                if getattr(self, field) != 0:
+                    raise bad(field, "must be 0 when no layer is mixture-of-experts (moe_layers is empty)")
+            return
+        for field in sizes:
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
+                raise bad(field, "must be a positive int")
+        if self.num_experts_per_tok > self.num_experts:
+            raise bad("num_experts_per_tok", f"must be <= num_experts={self.num_experts}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise bad("norm_topk_prob", "must be a bool")
 
     # ------------------------------------------------------------------ derived shapes
 
@@ -156,6 +211,10 @@ class TargetConfig:
         """Indices of the full-attention layers, ascending."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer` has the sparse mixture-of-experts block instead of the MLP."""
+        return layer in self.moe_layers
+
     @property
     def conv_dim(self) -> int:
         """GDN conv channels C = 2*H*K + HV*V, ordered [q (H*K) | k (H*K) | v (HV*V)]."""
@@ -173,37 +232,40 @@ class TargetConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> TargetConfig:
-        """Read a HuggingFace config dict in any of the three layouts (see the class doc).
+        """Read a HuggingFace config dict in any of the five layouts (see the class doc).
 
         Without `layer_types`, layer i is full attention iff (i+1) % full_attention_interval
         == 0 (default interval 4); without `head_dim`, head_dim = hidden_size //
-        num_attention_heads. `eos_token_id` may be an int, a list or null.
+        num_attention_heads. `eos_token_id` may be an int, a list or null. Mixture-of-experts
+        follows transformers' modeling code: Qwen3-Next layer i is sparse iff num_experts > 0,
+        i is not in `mlp_only_layers` and (i+1) % decoder_sparse_step == 0; every Qwen3.5-MoE
+        layer is sparse and renormalises its top-k (it has no norm_topk_prob switch). Absent
+        expert fields take transformers' defaults (Qwen3-Next: 512 experts, top 10, widths 512;
+        Qwen3.5-MoE: 256 experts, top 8, widths 512).
         """
         model_type = d.get("model_type")
-        if model_type in _MOE_MODEL_TYPES:
-            raise NotImplementedError(f"model_type={model_type!r}: mixture-of-experts targets are not supported yet")
-        if model_type == "qwen3_5":
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
             text = d.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError(
-                    f"text_config={text!r}: a model_type 'qwen3_5' config must hold its text model under text_config"
+                    f"text_config={text!r}: a model_type {model_type!r} config must hold its text model "
+                    "under text_config"
                 )
-            text_type = text.get("model_type", "qwen3_5_text")
-            if text_type in _MOE_MODEL_TYPES:
-                raise NotImplementedError(
-                    f"text_config.model_type={text_type!r}: mixture-of-experts targets are not supported yet"
+            text_type = text.get("model_type", _TEXT_TYPES[model_type])
+            if text_type != _TEXT_TYPES[model_type]:
+                raise ValueError(
+                    f"text_config.model_type={text_type!r}: must be {_TEXT_TYPES[model_type]!r} "
+                    f"under model_type {model_type!r}"
                 )
-            if text_type != "qwen3_5_text":
-                raise ValueError(f"text_config.model_type={text_type!r}: must be 'qwen3_5_text'")
             # The composite model ties its lm_head by the top-level flag.
             tie = _first(d.get("tie_word_embeddings"), text.get("tie_word_embeddings"), False)
             eos = _first(text.get("eos_token_id"), d.get("eos_token_id"), ())
-        elif model_type in ("qwen3_5_text", "qwen3_next"):
+        elif model_type in ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"):
             text = d
             tie = _first(d.get("tie_word_embeddings"), False)
             eos = _first(d.get("eos_token_id"), ())
         else:
-            raise ValueError(f"model_type={model_type!r}: must be one of {LAYOUTS}")
+            raise ValueError(f"model_type={model_type!r}: must be one of {LAYOUTS + MOE_LAYOUTS}")
 
         def need(key):
             if text.get(key) is None:
@@ -214,7 +276,6 @@ class TargetConfig:
             return _first(text.get(key), default)
 
         n_layers = need("num_hidden_layers")
-        _reject_moe(text, n_layers)
         _reject_unsupported(text)
         layer_types = text.get("layer_types")
         if layer_types is None:
@@ -227,11 +288,12 @@ class TargetConfig:
             head_dim = need("hidden_size") // need("num_attention_heads")
         if _is_int(eos):
             eos = (eos,)
+        moe = _moe_fields(model_type, text, n_layers)
         return cls(
             layout=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=0 if model_type in MOE_LAYOUTS else need("intermediate_size"),
             num_hidden_layers=n_layers,
             layer_types=tuple(layer_types),
             rms_norm_eps=_as_float(opt("rms_norm_eps", 1e-6)),
@@ -248,6 +310,7 @@ class TargetConfig:
             tie_word_embeddings=tie,
             max_position_embeddings=opt("max_position_embeddings", 32768),
             eos_token_id=eos,
+            **moe,
         )
 
     @classmethod
@@ -260,7 +323,8 @@ class TargetConfig:
     def to_hf(self) -> dict:
         """The HF config dict in this config's layout; `from_hf(c.to_hf()) == c`.
 
-        It is complete enough for transformers to build the same (dense) model.
+        It is complete enough for transformers to build the same model (a Qwen3-Next MoE config
+        names its dense layers in mlp_only_layers, with decoder_sparse_step 1).
         """
         eos = (
             None
@@ -270,10 +334,9 @@ class TargetConfig:
             else list(self.eos_token_id)
         )
         text = {
-            "model_type": "qwen3_next" if self.layout == "qwen3_next" else "qwen3_5_text",
+            "model_type": _TEXT_TYPES[self.layout],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "layer_types": list(self.layer_types),
             "rms_norm_eps": self.rms_norm_eps,
@@ -291,19 +354,30 @@ class TargetConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "eos_token_id": eos,
         }
+        if self.layout not in MOE_LAYOUTS:
+            text["intermediate_size"] = self.intermediate_size
+        if self.moe_layers:
+            text.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            )
         if self.layout == "qwen3_next":
-            text.update(rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor, num_experts=0)
+            text.update(rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor)
+            text.update(num_experts=self.num_experts, decoder_sparse_step=1, norm_topk_prob=self.norm_topk_prob)
+            text["mlp_only_layers"] = [i for i in range(self.num_hidden_layers) if not self.is_moe(i)]
         else:
             text["rope_parameters"] = {
                 "rope_type": "default",
                 "rope_theta": self.rope_theta,
                 "partial_rotary_factor": self.partial_rotary_factor,
             }
-        if self.layout != "qwen3_5":
+        if self.layout not in ("qwen3_5", "qwen3_5_moe"):
             return {"architectures": [_ARCHITECTURES[self.layout]], **text}
         return {
-            "architectures": [_ARCHITECTURES["qwen3_5"]],
-            "model_type": "qwen3_5",
+            "architectures": [_ARCHITECTURES[self.layout]],
+            "model_type": self.layout,
             "tie_word_embeddings": self.tie_word_embeddings,
             "text_config": text,
         }
@@ -342,20 +416,37 @@ def _rope_value(text: dict, key: str, default: float) -> float:
     return _first((text.get("rope_parameters") or {}).get(key), text.get(key), default)
 
 
-def _reject_moe(text: dict, n_layers: int) -> None:
-    """Raise NotImplementedError if any layer would get a sparse MoE MLP (transformers' rule)."""
-    n_experts = text.get("num_experts") or 0
-    if n_experts <= 0:
-        return
-    step = text.get("decoder_sparse_step", 1)
-    if not _is_int(step) or step <= 0:
-        raise ValueError(f"decoder_sparse_step={step!r}: must be a positive int")
-    dense_only = set(text.get("mlp_only_layers") or ())
-    sparse = [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0]
-    if sparse:
-        raise NotImplementedError(
-            f"num_experts={n_experts}: layers {sparse} would be mixture-of-experts, which is not supported yet"
-        )
+def _moe_fields(model_type: str, text: dict, n_layers: int) -> dict:
+    """The TargetConfig mixture-of-experts fields of a text config, by transformers' rules (from_hf)."""
+    if model_type in ("qwen3_5", "qwen3_5_text"):
+        return {}
+    qwen3_next = model_type == "qwen3_next"
+    n_experts = _first(text.get("num_experts"), 512 if qwen3_next else 256)
+    if not _is_int(n_experts) or n_experts < 0:
+        raise ValueError(f"num_experts={n_experts!r}: must be an int >= 0")
+    if qwen3_next:
+        step = _first(text.get("decoder_sparse_step"), 1)
+        if not _is_int(step) or step <= 0:
+            raise ValueError(f"decoder_sparse_step={step!r}: must be a positive int")
+        dense_only = _first(text.get("mlp_only_layers"), [])
+        if not isinstance(dense_only, list) or not all(_is_int(i) for i in dense_only):
+            raise ValueError(f"mlp_only_layers={dense_only!r}: must be a list of layer indices")
+        moe_layers = tuple(i for i in range(n_layers) if n_experts > 0 and i not in dense_only and (i + 1) % step == 0)
+    else:
+        if n_experts == 0:
+            raise ValueError(f"num_experts=0: a {model_type!r} config has a mixture-of-experts block in every layer")
+        moe_layers = tuple(range(n_layers))
+    if not moe_layers:
+        return {}
+    return {
+        "num_experts": n_experts,
+        "num_experts_per_tok": _first(text.get("num_experts_per_tok"), 10 if qwen3_next else 8),
+        "moe_intermediate_size": _first(text.get("moe_intermediate_size"), 512),
+        "shared_expert_intermediate_size": _first(text.get("shared_expert_intermediate_size"), 512),
+        # Qwen3.5-MoE's router always renormalises (transformers' Qwen3_5MoeTopKRouter).
+        "norm_topk_prob": _first(text.get("norm_topk_prob"), True) if qwen3_next else True,
+        "moe_layers": moe_layers,
+    }
 
 
 def _reject_unsupported(text: dict) -> None:

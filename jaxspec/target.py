@@ -1,4 +1,4 @@
-"""The GDN-hybrid target (Qwen3.5 dense / Qwen3-Next dense) as pure, jittable functions.
+"""The GDN-hybrid target (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) as pure, jittable functions.
 
     prefill(target, cache, tokens [B, T], lengths [B], slots [B])        whole prompts into slots
     verify(target, cache, tokens [N], query_start_loc [B+1], slots [B])  a packed window per request
@@ -19,7 +19,7 @@ from flax import struct
 
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
-from jaxspec.ops import attention, conv, gdn, packing
+from jaxspec.ops import attention, conv, gdn, moe, packing
 from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
 from jaxspec.ops.rope import apply_rope
@@ -45,8 +45,8 @@ def load_target(path, dtype=jnp.float32) -> Target:
 
 
 def init_target(config: TargetConfig, key, dtype=jnp.float32) -> Target:
-    """Random params: matrices N(0, 1/fan_in), zero-centred norm weights 0, the GDN output norm 1,
-    conv taps N(0, 1/W), A_log = log U(1, 16), dt_bias 0."""
+    """Random params: matrices N(0, 1/fan_in) (stacked experts [E, in, out] per expert), zero-centred
+    norm weights 0, the GDN output norm 1, conv taps N(0, 1/W), A_log = log U(1, 16), dt_bias 0."""
     shapes = param_shapes(config)
     paths, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(paths))
@@ -59,7 +59,7 @@ def init_target(config: TargetConfig, key, dtype=jnp.float32) -> Target:
             return jnp.ones(shape)
         if len(shape) == 1:
             return jnp.zeros(shape)
-        return jax.random.normal(k, shape) * shape[-1 if name == "['conv']" else 0] ** -0.5
+        return jax.random.normal(k, shape) * shape[-1 if name == "['conv']" else -2] ** -0.5
 
     leaves = [make(p, s, k).astype(dtype) for (p, s), k in zip(paths, keys)]
     return Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config)
@@ -120,10 +120,15 @@ def _attn_out(p, o, gate):
     return dense(o.reshape(o.shape[:-2] + (-1,)), p["o"])
 
 
-def _block(layer, cfg, x, mixer):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+def _block(layer, cfg, x, mixer, valid, impl):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)); the MLP is the sparse
+    mixture-of-experts block in a MoE layer, where rows with valid [...] False route to no expert."""
     x = x + mixer(rms_norm(x, layer["input_norm"], cfg.rms_norm_eps))
-    return x + swiglu_mlp(layer["mlp"], rms_norm(x, layer["post_norm"], cfg.rms_norm_eps))
+    xn = rms_norm(x, layer["post_norm"], cfg.rms_norm_eps)
+    if "moe" in layer:
+        top_k, norm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        return x + moe.sparse_moe_block(layer["moe"], xn, valid, top_k=top_k, norm_topk_prob=norm, impl=impl)
+    return x + swiglu_mlp(layer["mlp"], xn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +141,7 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl):
     params, cfg = target.params, target.config
     x = params["embed"][tokens]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    valid = positions < lengths[:, None]  # [B, T]
     gdn_states, kv, hidden = [], [], []
     for i, layer in enumerate(params["layers"]):
         if cfg.layer_types[i] == "linear_attention":
@@ -157,7 +163,7 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl):
                 kv.append((k, v))
                 return _attn_out(p, attention.attention_prefill(q, k, v, lengths, impl=impl), gate)
 
-        x = _block(layer, cfg, x, mixer)
+        x = _block(layer, cfg, x, mixer, valid, impl)
         if i in taps:
             hidden.append(x)
     hidden = jnp.stack(hidden, axis=2) if hidden else jnp.zeros(x.shape[:2] + (0, x.shape[-1]), x.dtype)
@@ -224,8 +230,9 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
     """
     params, cfg = target.params, target.config
     t_max = cache.config.window
-    request, pos, _ = packing.packed_index(query_start_loc, tokens.shape[0])
+    request, pos, in_window = packing.packed_index(query_start_loc, tokens.shape[0])
     positions = cache.seq_len[slots[request]] + pos
+    valid = in_window & (slots[request] > 0)  # [N]
     x = params["embed"][tokens]
     state = {f: getattr(cache, f) for f in ("ring_k", "ring_g", "conv_window", "k_cache", "v_cache")}
     ring_u = cache.ring_u
@@ -284,7 +291,7 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
                 return _attn_out(p, o, gate)
 
             ai += 1
-        x = _block(layer, cfg, x, mixer)
+        x = _block(layer, cfg, x, mixer, valid, impl)
         if i in taps:
             hidden.append(x)
     hidden = jnp.stack(hidden, axis=1) if hidden else jnp.zeros(x.shape[:1] + (0, x.shape[-1]), x.dtype)

@@ -7,7 +7,11 @@ attention heads / KV heads / head dim:
 params = {
   "embed": [V, d], "norm": [d], "lm_head": [d, V]   (no "lm_head" when tie_word_embeddings),
   "layers": [ per layer i, a dict:
-     "input_norm": [d], "post_norm": [d], "mlp": {"gate": [d, I], "up": [d, I], "down": [I, d]},
+     "input_norm": [d], "post_norm": [d],
+     dense layers: "mlp": {"gate": [d, I], "up": [d, I], "down": [I, d]},
+     mixture-of-experts layers (config.moe_layers; E experts of width Ie, shared width Is):
+          "moe": {"router": [d, E], "gate_up": [E, d, 2*Ie], "down": [E, Ie, d],
+                  "shared": {"gate": [d, Is], "up": [d, Is], "down": [Is, d]}, "shared_gate": [d, 1]},
      linear_attention layers also: "gdn": {"qkv": [d, C], "z": [d, HV*V], "b": [d, HV],
           "a": [d, HV], "conv": [C, W], "A_log": [HV], "dt_bias": [HV], "norm": [V],
           "out": [HV*V, d]}
@@ -27,6 +31,15 @@ projections by key head: `in_proj_qkvz` [H*(2K + 2rV), d] holds, for key head h,
 `in_proj_ba` [H*2r, d] the rows [b of its r value heads, a of its r value heads]
 (transformers' `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`); the loader splits them
 once into qkv / z / b / a and the writer fuses them back.
+
+Mixture-of-experts layers: the router is "mlp.gate.weight" [E, d], the shared expert
+"mlp.shared_expert.{gate,up,down}_proj.weight" and its gate "mlp.shared_expert_gate.weight" [1, d].
+The routed experts come in either of two layouts, read per layer by which names are present:
+per expert, "mlp.experts.{e}.{gate,up,down}_proj.weight" ([Ie, d], [Ie, d], [d, Ie]: what
+transformers' save_pretrained writes), or fused 3-D, "mlp.experts.gate_up_proj" [E, 2*Ie, d] (rows
+[gate (Ie) | up (Ie)]) and "mlp.experts.down_proj" [E, d, Ie] (transformers' in-memory layout, as
+the released Qwen3.5-MoE checkpoints store it). Both are stacked at load into "gate_up" [E, d, 2*Ie]
+(columns [gate | up]) and "down" [E, Ie, d]; `save_params` writes either (per expert by default).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ _WEIGHTS = "model.safetensors"
 # How a param leaf relates to its HF tensor: "copy" (same array), "linear" (HF [out, in] is
 # the transpose of the param [in, out]), "conv" (HF [C, 1, W] is the param [C, W]).
 _COPY, _LINEAR, _CONV = "copy", "linear", "conv"
+EXPERT_LAYOUTS = ("per_expert", "fused")
 
 
 def load_config(path: str | os.PathLike) -> TargetConfig:
@@ -65,11 +79,19 @@ def param_shapes(config: TargetConfig) -> dict:
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (d, c.vocab_size)
     for kind in c.layer_types:
-        layer = {
-            "input_norm": (d,),
-            "post_norm": (d,),
-            "mlp": {"gate": (d, c.intermediate_size), "up": (d, c.intermediate_size), "down": (c.intermediate_size, d)},
-        }
+        layer = {"input_norm": (d,), "post_norm": (d,)}
+        if c.is_moe(len(shapes["layers"])):
+            e, ie, i_s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            layer["moe"] = {
+                "router": (d, e),
+                "gate_up": (e, d, 2 * ie),
+                "down": (e, ie, d),
+                "shared": {"gate": (d, i_s), "up": (d, i_s), "down": (i_s, d)},
+                "shared_gate": (d, 1),
+            }
+        else:
+            i = c.intermediate_size
+            layer["mlp"] = {"gate": (d, i), "up": (d, i), "down": (i, d)}
         if kind == "linear_attention":
             layer["gdn"] = {
                 "qkv": (d, c.conv_dim),
@@ -98,9 +120,10 @@ def param_shapes(config: TargetConfig) -> dict:
 def _tensor_map(config: TargetConfig) -> list[tuple[str, tuple, str]]:
     """(HF name, param key path, relation) for every tensor stored one-to-one.
 
-    Qwen3-Next's fused GDN projections are not listed: see `_split_qwen3_next`.
+    Qwen3-Next's fused GDN projections (`_split_qwen3_next`) and the routed experts
+    (`_read_experts`) are not listed.
     """
-    p = "model.language_model." if config.layout == "qwen3_5" else "model."
+    p = _prefix(config)
     out = [(p + "embed_tokens.weight", ("embed",), _COPY), (p + "norm.weight", ("norm",), _COPY)]
     if not config.tie_word_embeddings:
         out.append(("lm_head.weight", ("lm_head",), _LINEAR))
@@ -133,12 +156,37 @@ def _tensor_map(config: TargetConfig) -> list[tuple[str, tuple, str]]:
             (lp + "input_layernorm.weight", ("layers", i, "input_norm"), _COPY),
             (lp + "post_attention_layernorm.weight", ("layers", i, "post_norm"), _COPY),
         ]
-        out += [(f"{lp}mlp.{n}_proj.weight", ("layers", i, "mlp", n), _LINEAR) for n in ("gate", "up", "down")]
+        if config.is_moe(i):
+            moe = ("layers", i, "moe")
+            out += [(lp + "mlp.gate.weight", moe + ("router",), _LINEAR)]
+            out += [
+                (f"{lp}mlp.shared_expert.{n}_proj.weight", moe + ("shared", n), _LINEAR) for n in ("gate", "up", "down")
+            ]
+            out += [(lp + "mlp.shared_expert_gate.weight", moe + ("shared_gate",), _LINEAR)]
+        else:
+            out += [(f"{lp}mlp.{n}_proj.weight", ("layers", i, "mlp", n), _LINEAR) for n in ("gate", "up", "down")]
         if kind == "linear_attention":
             out += [(lp + "linear_attn." + n, ("layers", i, "gdn", k), rel) for n, k, rel in gdn]
         else:
             out += [(lp + "self_attn." + n, ("layers", i, "attn", k), rel) for n, k, rel in attn]
     return out
+
+
+def _prefix(config: TargetConfig) -> str:
+    """Where the text model's tensors live."""
+    return "model.language_model." if config.layout in ("qwen3_5", "qwen3_5_moe") else "model."
+
+
+def _expert_names(config: TargetConfig, layer: int) -> dict:
+    """HF names of one MoE layer's routed experts: "fused" -> (gate_up, down), "per_expert" ->
+    [(gate, up, down) of expert e for every e]."""
+    lp = f"{_prefix(config)}layers.{layer}.mlp.experts."
+    return {
+        "fused": (lp + "gate_up_proj", lp + "down_proj"),
+        "per_expert": [
+            tuple(f"{lp}{e}.{n}_proj.weight" for n in ("gate", "up", "down")) for e in range(config.num_experts)
+        ],
+    }
 
 
 def _hf_shape(shape: tuple, relation: str) -> tuple:
@@ -190,16 +238,32 @@ class Checkpoint:
 
     def read(self, name: str, shape: tuple) -> np.ndarray:
         """Tensor `name` as a numpy array (bfloat16 via ml_dtypes), checked to be `shape`."""
-        if name not in self.file_of:
-            raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
-        with _open(self.file_of[name]) as f:
-            got = tuple(f.get_slice(name).get_shape())
-            if got != tuple(shape):
-                raise ValueError(f"tensor {name!r} has shape {got}, the config needs {tuple(shape)}")
-            try:
-                return f.get_tensor(name)
-            except SafetensorError as e:
-                raise ValueError(f"{self.file_of[name]}: tensor {name!r} cannot be read ({e})") from None
+        return self.read_stack([name], shape)[0]
+
+    def read_stack(self, names: list[str], shape: tuple) -> np.ndarray:
+        """Tensors `names`, each checked to be `shape`, stacked into [len(names), *shape]; each
+        file is opened once (a layer's per-expert tensors are thousands)."""
+        for name in names:
+            if name not in self.file_of:
+                raise KeyError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
+        by_file = {}
+        for j, name in enumerate(names):
+            by_file.setdefault(self.file_of[name], []).append(j)
+        out = None
+        for file, rows in by_file.items():
+            with _open(file) as f:
+                for j in rows:
+                    got = tuple(f.get_slice(names[j]).get_shape())
+                    if got != tuple(shape):
+                        raise ValueError(f"tensor {names[j]!r} has shape {got}, the config needs {tuple(shape)}")
+                    try:
+                        x = f.get_tensor(names[j])
+                    except SafetensorError as e:
+                        raise ValueError(f"{file}: tensor {names[j]!r} cannot be read ({e})") from None
+                    if out is None:
+                        out = np.empty((len(names),) + tuple(shape), x.dtype)
+                    out[j] = x
+        return out
 
     def first_non_finite(self, name: str) -> str:
         """Where tensor `name` first holds NaN or inf, e.g. 'nan at [0, 3]' (reads it again)."""
@@ -219,11 +283,16 @@ class FiniteCheck:
         self.ckpt, self.names, self.flags = ckpt, [], []
 
     def add(self, name: str, x) -> None:
-        self.names.append(name)
-        self.flags.append(jnp.all(jnp.isfinite(x)))
+        self.add_stacked([name], x[None])
+
+    def add_stacked(self, names: list[str], x) -> None:
+        """One flag per entry of x's leading axis, entry j read from tensor names[j]."""
+        self.names += names
+        self.flags.append(jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))))  # [len(names)]
 
     def check(self) -> None:
-        bad = [n for n, ok in zip(self.names, jax.device_get(self.flags)) if not ok]
+        flags = np.concatenate(jax.device_get(self.flags)) if self.flags else np.ones(0, bool)
+        bad = [n for n, ok in zip(self.names, flags) if not ok]
         if bad:
             more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
             raise ValueError(
@@ -286,6 +355,42 @@ def _fuse_qwen3_next(gdn: dict, c: TargetConfig) -> tuple[np.ndarray, np.ndarray
     return qkvz.reshape(-1, d), ba.reshape(-1, d)
 
 
+def _read_experts(ckpt: Checkpoint, finite: FiniteCheck, config: TargetConfig, layer: int, dtype) -> dict:
+    """One MoE layer's routed experts, fused or per expert (module doc), stacked:
+    {"gate_up": [E, d, 2Ie], "down": [E, Ie, d]} in `dtype`."""
+    e, d, ie = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    names = _expert_names(config, layer)
+    gate_up_name, down_name = names["fused"]
+    if gate_up_name in ckpt.file_of:
+        gate_up = jnp.asarray(ckpt.read(gate_up_name, (e, 2 * ie, d)))  # [E, 2Ie, d]
+        down = jnp.asarray(ckpt.read(down_name, (e, d, ie)))  # [E, d, Ie]
+        finite.add(gate_up_name, gate_up)
+        finite.add(down_name, down)
+    else:
+        per = [[triple[j] for triple in names["per_expert"]] for j in range(3)]  # gate, up, down names
+        gate = jnp.asarray(ckpt.read_stack(per[0], (ie, d)))  # [E, Ie, d]
+        up = jnp.asarray(ckpt.read_stack(per[1], (ie, d)))  # [E, Ie, d]
+        down = jnp.asarray(ckpt.read_stack(per[2], (d, ie)))  # [E, d, Ie]
+        for j, x in enumerate((gate, up, down)):
+            finite.add_stacked(per[j], x)
+        gate_up = jnp.concatenate([gate, up], axis=1)
+    return {"gate_up": gate_up.transpose(0, 2, 1).astype(dtype), "down": down.transpose(0, 2, 1).astype(dtype)}
+
+
+def _write_experts(moe: dict, config: TargetConfig, layer: int, layout: str) -> dict:
+    """Inverse of `_read_experts`: HF tensors of one MoE layer's routed experts in `layout`."""
+    gate_up = np.ascontiguousarray(np.asarray(moe["gate_up"]).transpose(0, 2, 1))  # [E, 2Ie, d]
+    down = np.ascontiguousarray(np.asarray(moe["down"]).transpose(0, 2, 1))  # [E, d, Ie]
+    names = _expert_names(config, layer)
+    if layout == "fused":
+        return dict(zip(names["fused"], (gate_up, down)))
+    ie = config.moe_intermediate_size
+    out = {}
+    for e, (g, u, dn) in enumerate(names["per_expert"]):
+        out.update({g: gate_up[e, :ie], u: gate_up[e, ie:], dn: down[e]})
+    return out
+
+
 def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32) -> dict:
     """Read the target params (module doc) from the HF checkpoint directory `path`.
 
@@ -293,6 +398,7 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
     directory; only the tensors the config needs are read. Every leaf is cast to `dtype`
     (float32 or bfloat16). A missing tensor raises KeyError; a tensor of the wrong shape, one
     holding NaN or inf, or an unreadable file raises ValueError, each naming the HF tensor or file.
+    A mixture-of-experts layer's routed experts may be fused or per expert (module doc).
     """
     dtype = _check_dtype(dtype)
     ckpt = Checkpoint(path)
@@ -324,17 +430,23 @@ def load_params(path: str | os.PathLike, config: TargetConfig, dtype=jnp.float32
             )
             for k, x in parts.items():
                 put(ba if k in ("b", "a") else qkvz, ("layers", i, "gdn", k), x, _LINEAR)
+    for i in config.moe_layers:
+        params["layers"][i]["moe"].update(_read_experts(ckpt, finite, config, i, dtype))
     finite.check()
     return params
 
 
-def save_params(path: str | os.PathLike, params: dict, config: TargetConfig) -> None:
+def save_params(path: str | os.PathLike, params: dict, config: TargetConfig, expert_layout: str = "per_expert") -> None:
     """Write `params` as an HF checkpoint in `config.layout`: model.safetensors + config.json.
 
-    Tensors keep the dtype of their leaf. The directory is created if needed; it must not hold
-    other safetensors files or a shard index, which the loader would read too. Raises
-    ValueError if the pytree's keys or shapes differ from `param_shapes(config)`.
+    Tensors keep the dtype of their leaf. Routed experts are written in `expert_layout`,
+    "per_expert" (as transformers' save_pretrained) or "fused" (module doc). The directory is
+    created if needed; it must not hold other safetensors files or a shard index, which the
+    loader would read too. Raises ValueError if the pytree's keys or shapes differ from
+    `param_shapes(config)`.
     """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}: must be one of {EXPERT_LAYOUTS}")
     shapes = param_shapes(config)
     want = dict(jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
@@ -364,6 +476,8 @@ def save_params(path: str | os.PathLike, params: dict, config: TargetConfig) -> 
             gdn = {k: hf(("layers", i, "gdn", k), _LINEAR) for k in ("qkv", "z", "b", "a")}
             lp = f"model.layers.{i}.linear_attn."
             tensors[lp + "in_proj_qkvz.weight"], tensors[lp + "in_proj_ba.weight"] = _fuse_qwen3_next(gdn, config)
+    for i in config.moe_layers:
+        tensors.update(_write_experts(params["layers"][i]["moe"], config, i, expert_layout))
     save_file(tensors, os.path.join(path, _WEIGHTS), metadata={"format": "pt"})
     hf_config = config.to_hf()
     hf_config["dtype"] = str(jnp.dtype(params["embed"].dtype))

@@ -22,10 +22,10 @@ import numpy as np
 
 from jaxspec import target as tgt
 from jaxspec.config import TargetConfig
-from jaxspec.ops import attention, conv, gdn, linear, norms, packing, rope
+from jaxspec.ops import attention, conv, gdn, linear, moe, norms, packing, rope
 from jaxspec.weights import load_params, save_params
 
-_MODULES = (tgt, attention, conv, gdn, linear, norms, packing, rope)
+_MODULES = (tgt, attention, conv, gdn, linear, moe, norms, packing, rope)
 
 
 class _Float64Names(types.ModuleType):

@@ -159,34 +159,11 @@ def test_sequences_become_tuples(tiny):
     hash(cfg)
 
 
-@pytest.mark.parametrize(
-    "extra, field",
-    [
-        ({"num_experts": 4}, "num_experts"),
-        ({"num_experts": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1]}, "num_experts"),
-    ],
-    ids=["all-sparse", "sparse-layer-3"],
-)
-def test_moe_not_implemented(extra, field):
-    with pytest.raises(NotImplementedError, match=field):
-        TargetConfig.from_hf(next_dict(**extra))
-
-
 def test_experts_unused_by_every_layer_is_dense(tiny):
-    # decoder_sparse_step 2 makes layers 1 and 3 sparse; mlp_only_layers turns both dense.
+    # decoder_sparse_step 2 makes layers 1 and 3 sparse; mlp_only_layers turns both dense. (The
+    # mixture-of-experts configs are tested in test_moe.py.)
     d = next_dict(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[1, 3])
     assert TargetConfig.from_hf(d) == dataclasses.replace(tiny, layout="qwen3_next")
-
-
-@pytest.mark.parametrize(
-    "outer, inner", [("qwen3_5_moe", None), ("qwen3_5_moe_text", None), ("qwen3_5", "qwen3_5_moe_text")]
-)
-def test_moe_model_types_not_implemented(outer, inner):
-    d = {**fixture_dict(), "model_type": outer}
-    if inner is not None:
-        d = released({**fixture_dict(), "model_type": inner})
-    with pytest.raises(NotImplementedError, match="model_type"):
-        TargetConfig.from_hf(d)
 
 
 @pytest.mark.parametrize(
