@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15
 
 demo: venv

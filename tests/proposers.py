@@ -3,6 +3,7 @@ continuation (so every accepted length occurs)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec import dflash
@@ -48,13 +49,73 @@ class OracleProposer:
         _, drafts, soft = jax.lax.fori_loop(0, self.block_size - 1, greedy_next, (seq, drafts, soft))
         if self.soft:
             return soft, history
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(
-            slots, ctx_len
+        return _corrupted_logits(drafts, slots, ctx_len, self.target.config.vocab_size), history
+
+
+def _corrupted_logits(drafts, slots, ctx_len, vocab):
+    """Draft logits of the greedy drafts [S, B-1] with one random position corrupted, or none
+    (randomness from (slot, context length)): every accepted length 0..B-1 becomes likely."""
+    block = drafts.shape[1] + 1
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(slots, ctx_len)
+    where = jax.vmap(lambda k: jax.random.randint(k, (), 0, block))(keys)  # block-1 = none
+    bad = (drafts + 1 + jnp.arange(block - 1)[None, :]) % vocab
+    drafts = jnp.where(jnp.arange(block - 1)[None, :] == where[:, None], bad, drafts)
+    return jax.nn.one_hot(drafts, vocab) * 30.0
+
+
+@struct.dataclass
+class LookupProposer:
+    """OracleProposer's greedy drafts without its model passes: the target's greedy continuation
+    is looked up in `sequences` [R, L] (each request's prompt followed by its greedy reference
+    output, computed once; -1 pads), by matching the slot's token history and anchor against
+    their prefixes. The same position is corrupted as OracleProposer corrupts (same randomness).
+    A context that matches no sequence (a sampled continuation, a run past the reference) gets
+    the chain chain[anchor], chain[chain[anchor]], ... (`chain` [vocab]: the target's greedy next
+    token after each token alone), or token 0 without one."""
+
+    sequences: jax.Array
+    vocab_size: int = struct.field(pytree_node=False)
+    block_size: int = struct.field(pytree_node=False)
+    chain: jax.Array | None = None
+    taps = ()
+
+    init_state = OracleProposer.init_state
+    observe = OracleProposer.observe
+
+    def propose(self, history, anchors, slots, ctx_len):
+        rows = jnp.arange(slots.shape[0])
+        seq = history[slots].at[rows, ctx_len].set(anchors)  # [S, M]
+        width = min(seq.shape[1], self.sequences.shape[1])
+        known = jnp.arange(width)[None, :] <= ctx_len[:, None]  # [S, W]
+        same = (seq[:, None, :width] == self.sequences[None, :, :width]) | ~known[:, None]  # [S, R, W]
+        match = jnp.all(same, axis=-1) & (ctx_len[:, None] < width)
+        where = jnp.clip(
+            ctx_len[:, None] + 1 + jnp.arange(self.block_size - 1)[None, :], 0, self.sequences.shape[1] - 1
         )
-        where = jax.vmap(lambda k: jax.random.randint(k, (), 0, self.block_size))(keys)  # block-1 = none
-        bad = (drafts + 1 + jnp.arange(self.block_size - 1)[None, :]) % self.target.config.vocab_size
-        drafts = jnp.where(jnp.arange(self.block_size - 1)[None, :] == where[:, None], bad, drafts)
-        return jax.nn.one_hot(drafts, self.target.config.vocab_size) * 30.0, history
+        drafts = self.sequences[jnp.argmax(match, axis=1)[:, None], where]  # [S, B-1]
+        fallback, tok = [], anchors
+        for _ in range(self.block_size - 1):
+            tok = jnp.zeros_like(tok) if self.chain is None else self.chain[tok]
+            fallback.append(tok)
+        drafts = jnp.where(jnp.any(match, axis=1)[:, None], jnp.maximum(drafts, 0), jnp.stack(fallback, axis=1))
+        return _corrupted_logits(drafts, slots, ctx_len, self.vocab_size), history
+
+
+def lookup_proposer(target, prompts, continuations, block_size, chain=False):
+    """A LookupProposer over prompts [list of ids] and their greedy continuations (lists of ids);
+    chain=True computes its fallback chain (one jitted cache-free forward of every token)."""
+    sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    table = np.full((len(sequences), max(map(len, sequences))), -1, np.int32)
+    for row, sequence in zip(table, sequences):
+        row[: len(sequence)] = sequence
+    vocab = target.config.vocab_size
+    nexts = None
+    if chain:
+        forward = jax.jit(
+            lambda ids: target_mod.prefill_layers(target, ids, jnp.ones((vocab,), jnp.int32), (), "ref")[0]
+        )
+        nexts = jnp.argmax(forward(jnp.arange(vocab)[:, None])[:, 0], -1).astype(jnp.int32)
+    return LookupProposer(jnp.asarray(table), vocab, block_size, nexts)
 
 
 def random_draft(model, block_size, seed=0):

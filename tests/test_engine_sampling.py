@@ -6,19 +6,21 @@ is enumerated with cache-free forwards (16 + 256 continuations). A deliberately 
 (the classic bug: after a rejection, draw the bonus from p instead of the residual max(p - q, 0))
 must fail the same test.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from proposers import OracleProposer
+from stats import chi2_test
 
-from jaxspec import dflash, engine as engine_mod
+from jaxspec import dflash
+from jaxspec import engine as engine_mod
 from jaxspec import target as target_mod
 from jaxspec.config import DraftConfig, SpecConfig, TargetConfig
 from jaxspec.engine import Engine
 from jaxspec.spec import layout
 from jaxspec.spec.planner import CostTable
-from proposers import OracleProposer
-from stats import chi2_test
 
 VOCAB, SLOTS, ROUNDS, PROMPT = 16, 512, 40, [3, 1, 4, 1]
 TEMPERATURE = 1.0
@@ -26,18 +28,43 @@ TEMPERATURE = 1.0
 
 @pytest.fixture(scope="module")
 def models():
-    config = TargetConfig(layout="qwen3_5_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                          num_hidden_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
-                          rms_norm_eps=1e-6, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                          rope_theta=1e4, partial_rotary_factor=0.25, linear_num_key_heads=1,
-                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                          linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=64)
+    config = TargetConfig(
+        layout="qwen3_5_text",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        rms_norm_eps=1e-6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     target = target_mod.init_target(config, jax.random.PRNGKey(11))
     # sharpen the target a little so the distribution has structure worth testing
     target = target.replace(params={**target.params, "lm_head": target.params["lm_head"] * 4.0})
-    draft_config = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, block_size=4,
-                               target_layer_ids=(1, 3), mask_token_id=VOCAB - 1, target_hidden_size=32)
+    draft_config = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=VOCAB,
+        block_size=4,
+        target_layer_ids=(1, 3),
+        mask_token_id=VOCAB - 1,
+        target_hidden_size=32,
+    )
     return target, dflash.init_draft(draft_config, jax.random.PRNGKey(12))
 
 
@@ -46,8 +73,11 @@ def joint(models):
     """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16] float64: one
     jitted cache-free forward per continuation length (1 + 16 + 256 sequences), once per module."""
     target = models[0]
-    forward = jax.jit(lambda seqs: target_mod.prefill_layers(
-        target, seqs, jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32), (), "ref")[0][:, -1])
+    forward = jax.jit(
+        lambda seqs: target_mod.prefill_layers(
+            target, seqs, jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32), (), "ref"
+        )[0][:, -1]
+    )
 
     def next_probs(prefixes):
         logits = forward(jnp.asarray([PROMPT + list(p) for p in prefixes], jnp.int32))
@@ -71,8 +101,11 @@ def _sample(engine):
 
 
 def _pvalues(counts, joint):
-    return {"joint12": chi2_test(counts.sum(2), joint.sum(2))[2], "t2": chi2_test(counts.sum((0, 2)), joint.sum((0, 2)))[2],
-            "t3": chi2_test(counts.sum((0, 1)), joint.sum((0, 1)))[2]}
+    return {
+        "joint12": chi2_test(counts.sum(2), joint.sum(2))[2],
+        "t2": chi2_test(counts.sum((0, 2)), joint.sum((0, 2)))[2],
+        "t3": chi2_test(counts.sum((0, 1)), joint.sum((0, 1)))[2],
+    }
 
 
 def _engine(models):
@@ -95,6 +128,7 @@ def _bonus_from_p(right):
         bonus = jnp.where(a < num_verify, ids[rows, a, pick], bonus)
         emitted = jnp.where(jnp.arange(emitted.shape[1])[None] == a[:, None], bonus[:, None], emitted)
         return a, bonus, emitted
+
     return accept
 
 
@@ -127,10 +161,10 @@ def _compact_engine(models):
     target = models[0]
     tiers, _ = layout.tiers(SLOTS, 3)
     costs = CostTable({(b, n): 1.0 + 0.004 * n for b in (1, SLOTS) for n in range(1, tiers[-1] + 1)})
-    spec = SpecConfig(verify_mode="compact", num_slots=SLOTS, max_len=16, max_top_k=VOCAB, lag=1, warmup_refits=0,
-                      refit_interval=2)
-    return Engine(target, None, spec, proposer=OracleProposer(target=target, block_size=3, soft=True),
-                  cost_table=costs)
+    spec = SpecConfig(
+        verify_mode="compact", num_slots=SLOTS, max_len=16, max_top_k=VOCAB, lag=1, warmup_refits=0, refit_interval=2
+    )
+    return Engine(target, None, spec, proposer=OracleProposer(target=target, block_size=3, soft=True), cost_table=costs)
 
 
 def _sample_in_waves(engine):

@@ -2,16 +2,24 @@
 acceptance on hand-made cases, and losslessness of speculative sampling by a chi-square test on
 the first emitted tokens of a small Markov target (with a wrong rule to show the test has power).
 """
+
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from stats import chi2_test
-from jaxspec.ops.sampling import (SamplingParams, accept, draft_distribution, greedy_tokens, logit_stats,
-                                  sample_draft, target_distribution)
+
+from jaxspec.ops.sampling import (
+    SamplingParams,
+    accept,
+    draft_distribution,
+    greedy_tokens,
+    logit_stats,
+    sample_draft,
+    target_distribution,
+)
 
 # jitted entry points (eager dispatch of many small ops is slower than one compile on CPU)
 _target_distribution = jax.jit(target_distribution, static_argnums=2)
@@ -25,7 +33,7 @@ def np_target(logits, temperature, top_k, top_p, max_top_k):
     logits = np.asarray(logits, np.float64)
     vocab = logits.shape[0]
     k_max = min(max_top_k, vocab)
-    order = sorted(range(vocab), key=lambda i: (-logits[i], i))[:k_max]   # ties: lower id first
+    order = sorted(range(vocab), key=lambda i: (-logits[i], i))[:k_max]  # ties: lower id first
     ids = np.array(order, np.int64)
     k = k_max if (top_k <= 0 or top_k >= vocab) else min(top_k, k_max)
     probs = np.zeros(k_max)
@@ -73,19 +81,19 @@ def _mixed_rows(rng):
         kind = i % 4
         if kind == 0:
             l = rng.standard_normal(VOCAB) * 2.0
-        elif kind == 1:                                   # heavy ties
+        elif kind == 1:  # heavy ties
             l = rng.integers(-2, 3, VOCAB).astype(np.float64)
-        elif kind == 2:                                   # some -inf
+        elif kind == 2:  # some -inf
             l = rng.standard_normal(VOCAB)
             l[rng.choice(VOCAB, VOCAB // 2, replace=False)] = -np.inf
-        else:                                             # almost all -inf, fewer finite than k
+        else:  # almost all -inf, fewer finite than k
             l = np.full(VOCAB, -np.inf)
             l[[3, 17, 30]] = [0.5, 0.5, -1.0]
         rows.append(l)
         params.append((temps[i % 5], top_ks[i % 6], top_ps[(i // 2) % 4]))
-    rows.append(np.full(VOCAB, -np.inf))                  # all -inf: one-hot on the first entry
+    rows.append(np.full(VOCAB, -np.inf))  # all -inf: one-hot on the first entry
     params.append((1.0, 0, 1.0))
-    rows.append(np.zeros(VOCAB))                          # all tied
+    rows.append(np.zeros(VOCAB))  # all tied
     params.append((1.0, 7, 1.0))
     t, k, p = (np.array(x) for x in zip(*params))
     return np.stack(rows).astype(np.float32), t.astype(np.float32), k.astype(np.int32), p.astype(np.float32)
@@ -108,8 +116,7 @@ def test_target_distribution_matches_reference(max_top_k):
 
 
 def test_top_k_ties_lower_id_first():
-    logits = jnp.array([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0, 0.0, 2.0],
-                        [5.0] * 8], jnp.float32)
+    logits = jnp.array([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0, 0.0, 2.0], [5.0] * 8], jnp.float32)
     probs, ids = _target_distribution(logits, SamplingParams.create(2, 1.0, 0, 1.0), 8)
     np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 4, 7, 2, 5, 0, 6], list(range(8))])
     np.testing.assert_allclose(np.asarray(probs[1]), 1 / 8, rtol=1e-6)
@@ -139,8 +146,11 @@ def test_target_distribution_block_rows_and_vmap():
     np.testing.assert_array_equal(np.asarray(probs).reshape(B * T, -1), np.asarray(fp))
     np.testing.assert_array_equal(np.asarray(ids).reshape(B * T, -1), np.asarray(fi))
     vp, vi = jax.vmap(lambda l, t, k, p: target_distribution(l, SamplingParams(t, k, p), 10))(
-        logits, params.temperature[:, None].repeat(T, 1), params.top_k[:, None].repeat(T, 1),
-        params.top_p[:, None].repeat(T, 1))
+        logits,
+        params.temperature[:, None].repeat(T, 1),
+        params.top_k[:, None].repeat(T, 1),
+        params.top_p[:, None].repeat(T, 1),
+    )
     np.testing.assert_allclose(np.asarray(vp), np.asarray(probs), atol=1e-7)
     np.testing.assert_array_equal(np.asarray(vi), np.asarray(ids))
 
@@ -148,9 +158,9 @@ def test_target_distribution_block_rows_and_vmap():
 def test_draft_distribution_and_sample():
     rng = np.random.default_rng(2)
     logits = rng.standard_normal((2, 3, VOCAB)).astype(np.float32)
-    logits[0, 1, [4, 9]] = 10.0                                   # tie at the argmax
+    logits[0, 1, [4, 9]] = 10.0  # tie at the argmax
     q = jax.jit(draft_distribution)(jnp.asarray(logits, jnp.bfloat16), jnp.array([0.0, 0.5]))
-    logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))     # what the draft saw
+    logits = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))  # what the draft saw
     dense = np.asarray(q.prob_at(jnp.broadcast_to(jnp.arange(VOCAB), (2, 3, VOCAB))))
     assert dense.dtype == np.float32 and q.lse.shape == (2, 3)
     np.testing.assert_array_equal(dense[0], np.eye(VOCAB)[logits[0].argmax(-1)])
@@ -169,8 +179,9 @@ def test_draft_distribution_and_sample():
     q1 = jax.tree_util.tree_map(lambda a: a[1], q)
     np.testing.assert_array_equal(np.asarray(sample_draft(keys[1], q1)), np.asarray(tok[1]))
     # zero-probability tokens are never drawn; the draws follow q (chi-square, 3 cells)
-    qs = draft_distribution(jnp.full((6000, VOCAB), -jnp.inf).at[:, [2, 5, 7]].set(jnp.log(jnp.array([0.2, 0.3, 0.5]))),
-                            1.0)
+    qs = draft_distribution(
+        jnp.full((6000, VOCAB), -jnp.inf).at[:, [2, 5, 7]].set(jnp.log(jnp.array([0.2, 0.3, 0.5]))), 1.0
+    )
     draws = np.asarray(jax.jit(sample_draft)(jax.random.key(3), qs))
     assert set(np.unique(draws)) == {2, 5, 7}
     _, _, p_value = chi2_test([(draws == v).sum() for v in (2, 5, 7)], [0.2, 0.3, 0.5])
@@ -183,12 +194,12 @@ def test_logit_stats_against_float64(vocab):
     all -inf row, +inf entries, a near-one q_max (rest far below float32's epsilon)."""
     rng = np.random.default_rng(vocab)
     z = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
-    z[1, : min(3, vocab)] = z[1].max() + 1.0                      # tied maxima
+    z[1, : min(3, vocab)] = z[1].max() + 1.0  # tied maxima
     z[2, vocab // 2] = np.nan
     z[3] = -np.inf
     z[4, vocab - 1] = np.inf
     z[5] = -60.0
-    z[5, 0] = 0.0                                                 # q_max = 1 - 1e-26 in exact arithmetic
+    z[5, 0] = 0.0  # q_max = 1 - 1e-26 in exact arithmetic
     am, zmax, ties, rest = (np.asarray(a) for a in jax.jit(logit_stats)(jnp.asarray(z)))
     np.testing.assert_array_equal(am, np.asarray(jnp.argmax(jnp.asarray(z), axis=-1)))
     for r in range(6):
@@ -216,23 +227,24 @@ def test_greedy_accept_every_length_and_cap():
     logits = np.tile(np.arange(V, dtype=np.float32) * 0.01, (B, T, 1))
     for t in range(T):
         logits[:, t, argmax[t]] = 5.0
-        logits[:, t, argmax[t] + 1] = 5.0                       # tie: the lower id wins
+        logits[:, t, argmax[t] + 1] = 5.0  # tie: the lower id wins
     probs, ids = _target_distribution(jnp.asarray(logits), SamplingParams.greedy(B), 4)
     probs, ids = np.asarray(probs).copy(), np.asarray(ids)
     drafts = np.zeros((B, T - 1), np.int32)
     nv = np.zeros(B, np.int32)
     for b, (m, l) in enumerate(cases):
-        drafts[b] = argmax[:T - 1]
+        drafts[b] = argmax[: T - 1]
         if m < T - 1:
-            drafts[b, m] = argmax[m] + 1                        # the tied, higher id: a mismatch
+            drafts[b, m] = argmax[m] + 1  # the tied, higher id: a mismatch
         nv[b] = l
-        probs[b, l + 1:] = np.nan                               # rows past the cap are garbage
+        probs[b, l + 1 :] = np.nan  # rows past the cap are garbage
     keys = jax.random.split(jax.random.key(0), B)
     rng = np.random.default_rng(0)
     q = rng.dirichlet(np.ones(V), (B, T - 1)).astype(np.float32)
     for draft_q in (None, _as_distribution(q)):
-        a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
-                                            draft_q, jnp.asarray(nv), jnp.zeros(B))
+        a, bonus, emitted = _accept(
+            keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts), draft_q, jnp.asarray(nv), jnp.zeros(B)
+        )
         a, bonus, emitted = np.asarray(a), np.asarray(bonus), np.asarray(emitted)
         for b, (m, l) in enumerate(cases):
             n = min(m, l)
@@ -259,8 +271,15 @@ def test_sampling_accept_edges_and_per_request_keys():
     nv = np.array([3, 3, 3, 1, 3, 0], np.int32)
     q = np.full((B, T - 1, V), 1.0 / V, np.float32)
     keys = jax.random.split(jax.random.key(1), B)
-    a, bonus, emitted = _accept(keys, jnp.asarray(probs), jnp.asarray(ids), jnp.asarray(drafts),
-                               _as_distribution(q), jnp.asarray(nv), jnp.ones(B))
+    a, bonus, emitted = _accept(
+        keys,
+        jnp.asarray(probs),
+        jnp.asarray(ids),
+        jnp.asarray(drafts),
+        _as_distribution(q),
+        jnp.asarray(nv),
+        jnp.ones(B),
+    )
     np.testing.assert_array_equal(np.asarray(a), [3, 1, 0, 1, 2, 0])
     np.testing.assert_array_equal(np.asarray(bonus), [5] * B)
     assert np.asarray(emitted)[1].tolist() == [5, 5, -1, -1]
@@ -274,14 +293,24 @@ def test_sampling_accept_edges_and_per_request_keys():
     dist = _as_distribution(q)
     full = _accept(keys, *map(jnp.asarray, (probs, ids, drafts)), dist, jnp.asarray(nv), jnp.full(B, 0.9))
     sub = np.array([4, 1, 5])
-    part = _accept(keys[sub], *(jnp.asarray(x[sub]) for x in (probs, ids, drafts)),
-                   jax.tree_util.tree_map(lambda a: a[sub], dist), jnp.asarray(nv[sub]), jnp.full(3, 0.9))
+    part = _accept(
+        keys[sub],
+        *(jnp.asarray(x[sub]) for x in (probs, ids, drafts)),
+        jax.tree_util.tree_map(lambda a: a[sub], dist),
+        jnp.asarray(nv[sub]),
+        jnp.full(3, 0.9),
+    )
     for f, p in zip(full, part):
         np.testing.assert_array_equal(np.asarray(f)[sub], np.asarray(p))
     # vmappable: two halves of the batch under vmap give the same result
     halve = lambda a: jnp.asarray(a).reshape((2, 3) + a.shape[1:])
-    halves = jax.vmap(accept)(keys.reshape(2, 3), *map(halve, (probs, ids, drafts)),
-                              jax.tree_util.tree_map(halve, dist), halve(nv), jnp.full((2, 3), 0.9))
+    halves = jax.vmap(accept)(
+        keys.reshape(2, 3),
+        *map(halve, (probs, ids, drafts)),
+        jax.tree_util.tree_map(halve, dist),
+        halve(nv),
+        jnp.full((2, 3), 0.9),
+    )
     for f, h in zip(full, halves):
         np.testing.assert_array_equal(np.asarray(f), np.asarray(h).reshape(np.asarray(f).shape))
 
@@ -289,9 +318,9 @@ def test_sampling_accept_edges_and_per_request_keys():
 # ------------------------------------------------------------------------------ losslessness
 
 V = 16
-T = 4                 # anchor + 3 drafts
+T = 4  # anchor + 3 drafts
 N_SAMPLES = 50_000
-N_TOKENS = 3          # the first 3 emitted tokens are compared with the exact target
+N_TOKENS = 3  # the first 3 emitted tokens are compared with the exact target
 
 
 def _tables():
@@ -329,24 +358,24 @@ def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, wrong, *, max
     n = N_SAMPLES
     keys = jax.random.split(key, n)
 
-    def draft_step(carry, k):                        # k [N] keys, one per request
+    def draft_step(carry, k):  # k [N] keys, one per request
         q = draft_distribution(draft_tab[carry], draft_temp)
         d = sample_draft(k, q)
         return d, (d, q)
 
-    def spec_step(carry, step):                      # each step emits >= 1 token
+    def spec_step(carry, step):  # each step emits >= 1 token
         anchor, out, count = carry
         step_keys = jax.vmap(lambda k: jax.random.split(jax.random.fold_in(k, step), T + 1))(keys)
-        _, (drafts, qs) = jax.lax.scan(draft_step, anchor, jnp.swapaxes(step_keys[:, :T - 1], 0, 1))
-        drafts = drafts.T                                               # [N, T-1]
+        _, (drafts, qs) = jax.lax.scan(draft_step, anchor, jnp.swapaxes(step_keys[:, : T - 1], 0, 1))
+        drafts = drafts.T  # [N, T-1]
         q = None if greedy_draft else jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), qs)  # rows [N, T-1]
-        window = jnp.concatenate([anchor[:, None], drafts], 1)          # row t conditions on token t
+        window = jnp.concatenate([anchor[:, None], drafts], 1)  # row t conditions on token t
         probs, ids = target_distribution(target_tab[window], params, max_top_k)
         random_nv = jax.vmap(lambda k: jax.random.randint(k, (), 0, T))(step_keys[:, T - 1])
         nv = jnp.where(cap == RANDOM_CAP, random_nv, cap).astype(jnp.int32)
         a, bonus, emitted = _accept_maybe_wrong(wrong, step_keys[:, T], probs, ids, drafts, q, nv, params.temperature)
         pos = count[:, None] + jnp.arange(T)[None]
-        pos = jnp.where(emitted >= 0, pos, N_TOKENS + T)                # out of range: dropped
+        pos = jnp.where(emitted >= 0, pos, N_TOKENS + T)  # out of range: dropped
         out = jax.vmap(lambda o, p, e: o.at[p].set(e, mode="drop"))(out, pos, emitted)
         return (bonus, out, count + a + 1), None
 
@@ -392,8 +421,17 @@ def _run(name, wrong=False, seed=0):
     target_tab, draft_tab = _tables()
     params = SamplingParams.create(N_SAMPLES, temperature, top_k, top_p)
     draft_temp = jnp.zeros(N_SAMPLES) if greedy_draft else params.temperature
-    tokens = _simulate(jax.random.key(seed), jnp.asarray(target_tab), jnp.asarray(draft_tab), params, draft_temp,
-                       jnp.int32(cap), jnp.bool_(wrong), max_top_k=max_top_k, greedy_draft=greedy_draft)
+    tokens = _simulate(
+        jax.random.key(seed),
+        jnp.asarray(target_tab),
+        jnp.asarray(draft_tab),
+        params,
+        draft_temp,
+        jnp.int32(cap),
+        jnp.bool_(wrong),
+        max_top_k=max_top_k,
+        greedy_draft=greedy_draft,
+    )
     return _pvalues(tokens, _exact_joint(target_tab, temperature, top_k, top_p, max_top_k))
 
 
@@ -413,9 +451,19 @@ def test_greedy_target_emits_the_greedy_chain():
     """Temperature 0 with a draft sampled at temperature 1: every sample emits the greedy chain."""
     target_tab, draft_tab = _tables()
     params = SamplingParams.greedy(N_SAMPLES)
-    tokens = np.asarray(_simulate(jax.random.key(5), jnp.asarray(target_tab), jnp.asarray(draft_tab), params,
-                                  jnp.ones(N_SAMPLES), jnp.int32(RANDOM_CAP), jnp.bool_(False), max_top_k=V,
-                                  greedy_draft=False))
+    tokens = np.asarray(
+        _simulate(
+            jax.random.key(5),
+            jnp.asarray(target_tab),
+            jnp.asarray(draft_tab),
+            params,
+            jnp.ones(N_SAMPLES),
+            jnp.int32(RANDOM_CAP),
+            jnp.bool_(False),
+            max_top_k=V,
+            greedy_draft=False,
+        )
+    )
     chain, x = [], 0
     for _ in range(N_TOKENS):
         x = int(np.argmax(target_tab[x]))

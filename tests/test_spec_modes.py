@@ -1,10 +1,12 @@
 """Confidence-scheduled verification: packed verify vs dense, modes cap-accept / compact."""
+
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from proposers import OracleProposer, random_draft
 
 import jaxspec
 from jaxspec import cache as cache_mod
@@ -13,7 +15,6 @@ from jaxspec.config import CacheConfig, SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.spec import layout
 from jaxspec.spec.planner import CostTable
-from proposers import OracleProposer, random_draft
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
 
@@ -25,13 +26,15 @@ def model():
 
 def _prefilled(model, block, slots, fold_policy):
     rng = np.random.default_rng(5)
-    cfg = CacheConfig(num_slots=5, max_len=64, window=block, fold_policy=fold_policy,
-                              ring_len=16 if fold_policy == "every" else 32)
+    cfg = CacheConfig(
+        num_slots=5, max_len=64, window=block, fold_policy=fold_policy, ring_len=16 if fold_policy == "every" else 32
+    )
     state = cache_mod.init_cache(model.config, cfg)
     lengths = rng.integers(3, 20, len(slots))
     tokens = rng.integers(0, 512, (len(slots), 20)).astype(np.int32)
-    _, _, state = target_mod.prefill(model, state, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-                                     jnp.asarray(slots, jnp.int32))
+    _, _, state = target_mod.prefill(
+        model, state, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32), jnp.asarray(slots, jnp.int32)
+    )
     return state
 
 
@@ -42,7 +45,7 @@ def test_packed_verify_equals_dense_bit_for_bit(model, fold_policy):
     full-block verify, for the tokens both verified."""
     block, slots = 6, np.array([3, 0, 1, 5, 2], np.int32)
     rng = np.random.default_rng(6)
-    lengths = np.array([5, 3, 0, 2, 4], np.int32)                 # drafts per request (slot 0 row: ignored)
+    lengths = np.array([5, 3, 0, 2, 4], np.int32)  # drafts per request (slot 0 row: ignored)
     anchors = rng.integers(0, 512, 5).astype(np.int32)
     drafts = rng.integers(0, 512, (5, block - 1)).astype(np.int32)
     tiers, _ = layout.tiers(5, block)
@@ -54,8 +57,9 @@ def test_packed_verify_equals_dense_bit_for_bit(model, fold_policy):
     results = {}
     for name, tier_tokens in (("dense", 5 * block), ("packed", tier)):
         state = _prefilled(model, block, slots, fold_policy)
-        tokens, qsl, layout_slots = layout.step_layout(jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(drafts),
-                                                       jnp.asarray(slots), tier_tokens)
+        tokens, qsl, layout_slots = layout.step_layout(
+            jnp.asarray(lengths), jnp.asarray(anchors), jnp.asarray(drafts), jnp.asarray(slots), tier_tokens
+        )
         assert tokens.shape == (tier_tokens,)
         logits, hidden, state = verify(model, state, tokens, qsl, layout_slots, (1, 3))
         rows = layout.unpack_rows(logits, qsl, block)
@@ -71,15 +75,27 @@ def test_packed_verify_equals_dense_bit_for_bit(model, fold_policy):
         np.testing.assert_array_equal(np.asarray(p_hid[r, :n]), np.asarray(d_hid[r, :n]))
         wp = int(d_state.write_pos[slot])
         ring = lambda st, name: np.asarray(getattr(st, name))[:, slot]
-        np.testing.assert_array_equal(ring(p_state, "ring_k")[:, :, wp:wp + n], ring(d_state, "ring_k")[:, :, wp:wp + n])
-        np.testing.assert_array_equal(ring(p_state, "ring_u")[:, :, wp:wp + n], ring(d_state, "ring_u")[:, :, wp:wp + n])
-        np.testing.assert_array_equal(ring(p_state, "ring_g")[:, :, wp:wp + n], ring(d_state, "ring_g")[:, :, wp:wp + n])
+        np.testing.assert_array_equal(
+            ring(p_state, "ring_k")[:, :, wp : wp + n], ring(d_state, "ring_k")[:, :, wp : wp + n]
+        )
+        np.testing.assert_array_equal(
+            ring(p_state, "ring_u")[:, :, wp : wp + n], ring(d_state, "ring_u")[:, :, wp : wp + n]
+        )
+        np.testing.assert_array_equal(
+            ring(p_state, "ring_g")[:, :, wp : wp + n], ring(d_state, "ring_g")[:, :, wp : wp + n]
+        )
         np.testing.assert_array_equal(ring(p_state, "conv_window")[:, :n], ring(d_state, "conv_window")[:, :n])
         seq = int(d_after.seq_len[slot])
-        np.testing.assert_array_equal(np.asarray(p_after.k_cache)[:, slot, :seq], np.asarray(d_after.k_cache)[:, slot, :seq])
-        np.testing.assert_array_equal(np.asarray(p_after.v_cache)[:, slot, :seq], np.asarray(d_after.v_cache)[:, slot, :seq])
+        np.testing.assert_array_equal(
+            np.asarray(p_after.k_cache)[:, slot, :seq], np.asarray(d_after.k_cache)[:, slot, :seq]
+        )
+        np.testing.assert_array_equal(
+            np.asarray(p_after.v_cache)[:, slot, :seq], np.asarray(d_after.v_cache)[:, slot, :seq]
+        )
     for name in ("ckpt", "conv_state", "write_pos", "seq_len"):
-        np.testing.assert_array_equal(np.asarray(getattr(p_after, name)), np.asarray(getattr(d_after, name)), err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(getattr(p_after, name)), np.asarray(getattr(d_after, name)), err_msg=name
+        )
     np.testing.assert_array_equal(np.asarray(p_after.ckpt[:, 0]), 0)
 
 
@@ -99,22 +115,24 @@ def test_modes_agree_and_greedy_is_lossless(model, prompts):
     """Greedy output of every mode equals mode none; cap-accept and compact emit identical tokens
     under seeded sampling; compact uses partial tiers; the step compiles once per tier."""
     block, slots = 6, 3
-    spec = lambda mode: SpecConfig(verify_mode=mode, num_slots=slots, max_len=96, warmup_refits=0, refit_interval=4,
-                                   lag=1)
+    spec = lambda mode: SpecConfig(
+        verify_mode=mode, num_slots=slots, max_len=96, warmup_refits=0, refit_interval=4, lag=1
+    )
     reference = [r.tokens for r in Engine(model, None, spec("none")).generate(prompts, max_new_tokens=20)]
     oracle = OracleProposer(target=model, block_size=block)
     sampled = {}
-    jax.clear_caches()                         # engines share compiled steps: count from zero
+    jax.clear_caches()  # engines share compiled steps: count from zero
     for mode in ("cap-accept", "compact"):
         engine = Engine(model, None, spec(mode), proposer=oracle, cost_table=_cost_table(slots, block))
         greedy = engine.generate(prompts, max_new_tokens=20)
         assert [r.tokens for r in greedy] == reference, mode
         verified = [v for r in greedy for v in r.stats["verified"]]
         assert min(verified) < block - 1 == max(verified), (mode, sorted(set(verified)))
-        sampled[mode] = [r.tokens for r in engine.generate(prompts, max_new_tokens=20, temperature=0.8,
-                                                           seed=[1, 2, 3, 4, 5])]
+        sampled[mode] = [
+            r.tokens for r in engine.generate(prompts, max_new_tokens=20, temperature=0.8, seed=[1, 2, 3, 4, 5])
+        ]
         assert len(engine.tier_counts) > 1, dict(engine.tier_counts)
-        assert engine._step._cache_size() <= 2 * len(engine.tier_tokens)   # greedy and sampling variants
+        assert engine._step._cache_size() <= 2 * len(engine.tier_tokens)  # greedy and sampling variants
     assert sampled["cap-accept"] == sampled["compact"]
 
 
@@ -122,7 +140,8 @@ def test_compact_with_a_random_draft_matches_none(model, prompts):
     spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=96, warmup_refits=0, refit_interval=4)
     engine = Engine(model, random_draft(model, 4), spec, cost_table=_cost_table(2, 4))
     reference = Engine(model, None, SpecConfig(verify_mode="none", num_slots=2, max_len=96)).generate(
-        prompts, max_new_tokens=12)
+        prompts, max_new_tokens=12
+    )
     assert [r.tokens for r in engine.generate(prompts, max_new_tokens=12)] == [r.tokens for r in reference]
 
 
@@ -130,7 +149,7 @@ def test_profile_and_decoding_share_the_compiled_steps(model, prompts):
     """Forced acceptance is a traced flag: profiling compiles each tier once and greedy decoding
     then reuses those steps (no second compilation per tier)."""
     spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=128, warmup_refits=0, refit_interval=4)
-    jax.clear_caches()                         # engines share compiled steps: count from zero
+    jax.clear_caches()  # engines share compiled steps: count from zero
     engine = Engine(model, random_draft(model, 4), spec)
     table = engine.profile([2], repeats=2)
     profiled = engine._step._cache_size()

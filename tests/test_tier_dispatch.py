@@ -1,5 +1,6 @@
 """Engine(tier_dispatch="switch"): one compiled step picks the tier on the device (lax.switch over
 the tiers in compact mode) and emits exactly the tokens of the host-chosen tiers."""
+
 from pathlib import Path
 
 import jax
@@ -25,7 +26,7 @@ class ChainProposer:
     """A draft that compiles fast: draft k+1 = table[draft k] from the anchor, with logits of
     varying sharpness (so the estimator's features, and the planned tiers, vary)."""
 
-    table: jax.Array                 # [vocab] the target's greedy next token after each token alone
+    table: jax.Array  # [vocab] the target's greedy next token after each token alone
     block_size: int = struct.field(pytree_node=False)
     taps = ()
 
@@ -53,8 +54,7 @@ def model():
 @pytest.fixture(scope="module")
 def table(model):
     vocab = model.config.vocab_size
-    logits, *_ = target_mod.prefill_layers(model, jnp.arange(vocab)[:, None], jnp.ones((vocab,), jnp.int32), (),
-                                            "ref")
+    logits, *_ = target_mod.prefill_layers(model, jnp.arange(vocab)[:, None], jnp.ones((vocab,), jnp.int32), (), "ref")
     return jnp.argmax(logits[:, 0], -1).astype(jnp.int32)
 
 
@@ -72,15 +72,21 @@ def _cost_table(slots, block):
 
 def _engine(model, table, mode, dispatch, block):
     spec = SpecConfig(verify_mode=mode, num_slots=SLOTS, max_len=64, warmup_refits=0, refit_interval=4, lag=1)
-    return Engine(model, None, spec, proposer=ChainProposer(table, block), cost_table=_cost_table(SLOTS, block),
-                  tier_dispatch=dispatch)
+    return Engine(
+        model,
+        None,
+        spec,
+        proposer=ChainProposer(table, block),
+        cost_table=_cost_table(SLOTS, block),
+        tier_dispatch=dispatch,
+    )
 
 
 def test_device_tier_is_the_host_tier(model, table):
     """The device rule picks the host's tier for random survivals, occupancy and request changes."""
-    BLOCK = 6                                             # tiers (3, 8, 16, 18)
+    BLOCK = 6  # tiers (3, 8, 16, 18)
     engine = _engine(model, table, "compact", "switch", BLOCK)
-    engine._steps_run = 10**6                          # past warm-up
+    engine._steps_run = 10**6  # past warm-up
     pick = jax.jit(engine_mod._device_tier, static_argnums=(2, 3))
     rng = np.random.default_rng(0)
     requests = [object() for _ in range(2 * SLOTS)]
@@ -89,8 +95,10 @@ def test_device_tier_is_the_host_tier(model, table):
         survival = np.cumprod(rng.uniform(0.05, 1.0, (SLOTS, BLOCK - 1)) ** rng.uniform(0.1, 3), axis=1)
         survival = survival.astype(np.float32)
         old_rows = [requests[i] if rng.random() < 0.8 else None for i in range(SLOTS)]
-        rows = [r if rng.random() < 0.7 else (requests[SLOTS + i] if rng.random() < 0.7 else None)
-                for i, r in enumerate(old_rows)]
+        rows = [
+            r if rng.random() < 0.7 else (requests[SLOTS + i] if rng.random() < 0.7 else None)
+            for i, r in enumerate(old_rows)
+        ]
         if all(r is None for r in rows):
             rows[0] = requests[0]
         old = (old_rows, jax.numpy.asarray(survival))
@@ -101,8 +109,12 @@ def test_device_tier_is_the_host_tier(model, table):
         seen.add(host)
     assert len(seen) > 2, seen
     # no plan (no history): the full block, as on the host
-    assert int(pick(engine._device_plan([requests[0]] + [None] * (SLOTS - 1), None), active,
-                    engine.tier_tokens, BLOCK - 1)) == len(engine.tier_tokens) - 1
+    assert (
+        int(
+            pick(engine._device_plan([requests[0]] + [None] * (SLOTS - 1), None), active, engine.tier_tokens, BLOCK - 1)
+        )
+        == len(engine.tier_tokens) - 1
+    )
 
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
@@ -110,21 +122,24 @@ def test_switch_emits_the_host_tokens_and_compiles_once(model, table, prompts, m
     """Same tokens, per-step verified and accepted lengths and tier counts as the host dispatch,
     greedy (compact) and seeded sampling; the switch step compiles once per variant."""
     outs = {}
-    jax.clear_caches()                         # engines share compiled steps: count from zero
+    jax.clear_caches()  # engines share compiled steps: count from zero
     for dispatch in ("host", "switch"):
-        engine = _engine(model, table, mode, dispatch, block=4)      # tiers (3, 8, 12)
+        engine = _engine(model, table, mode, dispatch, block=4)  # tiers (3, 8, 12)
         results = []
-        if mode == "compact":                             # greedy is lossless anyway: once is enough
+        if mode == "compact":  # greedy is lossless anyway: once is enough
             results += engine.generate(prompts, max_new_tokens=16)
             if dispatch == "switch":
                 assert engine._step._cache_size() == 1, "the switch step compiled more than once"
         results += engine.generate(prompts, max_new_tokens=16, temperature=0.8, seed=[1, 2, 3, 4, 5])
-        outs[dispatch] = ([(r.tokens, r.stats["verified"], r.stats["accepted"]) for r in results],
-                          dict(engine.tier_counts), engine._step._cache_size())
+        outs[dispatch] = (
+            [(r.tokens, r.stats["verified"], r.stats["accepted"]) for r in results],
+            dict(engine.tier_counts),
+            engine._step._cache_size(),
+        )
     (host, host_tiers, host_compiles), (switch, switch_tiers, switch_compiles) = outs["host"], outs["switch"]
     assert switch == host
     assert switch_tiers == host_tiers and len(host_tiers) == 3, (host_tiers, switch_tiers)
-    variants = 2 if mode == "compact" else 1              # greedy and sampling
+    variants = 2 if mode == "compact" else 1  # greedy and sampling
     assert switch_compiles == variants and host_compiles == 3 * variants
 
 
