@@ -524,17 +524,8 @@ class Engine:
         )
 
         def run():
-            self.state, emitted, *_ = self._step(
-                self.state,
-                self.target,
-                self.proposer,
-                slots,
-                None,
-                np.bool_(True),
-                greedy=True,
-                tier=tier,
-                **self._simulate,
-            )
+            args, kwargs = self._step_args(slots, None, True, greedy=True, tier=tier)
+            self.state, emitted, *_ = self._step(*args, **kwargs)
             return emitted
 
         return run
@@ -578,18 +569,17 @@ class Engine:
         rows = self.spec.prefill_rows or batch
         return {
             "prefill": partial(self._lower_prefill, rows, prompt_len),
-            "step": lambda: self._step.lower(
-                self.state,
-                self.target,
-                self.proposer,
-                slots,
-                None,
-                np.bool_(True),
-                greedy=True,
-                tier=tier,
-                **self._simulate,
-            ),
+            "step": partial(self._lower_step, slots, None, True, greedy=True, tier=tier),
         }
+
+    def _step_args(self, slots, plan, force_accept, *, greedy, tier):
+        """The jitted step's (args, kwargs) for rows `slots` on the current state."""
+        args = (self.state, self.target, self.proposer, slots, plan, np.bool_(force_accept))
+        return args, dict(greedy=greedy, tier=tier, **self._simulate)
+
+    def _lower_step(self, slots, plan, force_accept, *, greedy, tier):
+        args, kwargs = self._step_args(slots, plan, force_accept, greedy=greedy, tier=tier)
+        return self._step.lower(*args, **kwargs)
 
     def lowerings(self, *, greedy: bool, prompt_lengths=()) -> dict:
         """What decoding compiles, as {name: thunk returning a jax.stages.Lowered}: the step at
@@ -603,34 +593,11 @@ class Engine:
         slots = np.zeros(s, np.int32)
         if self._switch:
             plan = self._device_plan([None] * s, None)
-            out["step switch"] = lambda: self._step.lower(
-                self.state,
-                self.target,
-                self.proposer,
-                slots,
-                plan,
-                np.bool_(False),
-                greedy=greedy,
-                tier=None,
-                **self._simulate,
-            )
+            out["step switch"] = partial(self._lower_step, slots, plan, False, greedy=greedy, tier=None)
         else:
             planned = self.spec.verify_mode in ("cap-accept", "compact")
             for tier in self.tier_tokens if planned else self.tier_tokens[-1:]:
-                out[f"step {tier}"] = partial(
-                    lambda t: self._step.lower(
-                        self.state,
-                        self.target,
-                        self.proposer,
-                        slots,
-                        None,
-                        np.bool_(False),
-                        greedy=greedy,
-                        tier=t,
-                        **self._simulate,
-                    ),
-                    tier,
-                )
+                out[f"step {tier}"] = partial(self._lower_step, slots, None, False, greedy=greedy, tier=tier)
         counts = (
             [self.spec.prefill_rows] if self.spec.prefill_rows else [1 << i for i in range((s - 1).bit_length() + 1)]
         )
