@@ -129,6 +129,13 @@ def parse(argv=None):
     ap.add_argument("--no-torch-copy", action="store_true", help="skip the torch copy bandwidth subprocess")
     ap.add_argument("--torch-copy", action="store_true", help=argparse.SUPPRESS)  # the subprocess itself
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--layer-layout",
+        choices=("list", "groups"),
+        default="list",
+        help="target layers as a per-layer list, unrolled (list), or stacked by group and run as one scan "
+        "(groups: on the GPU each group's weights are sliced out of the stack, a copy: see bench/RESULTS.md)",
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -484,7 +491,9 @@ def main(args):
     print(json.dumps(info["copy_TB_per_s"]), flush=True)
 
     t = time.perf_counter()
-    target, draft = build(args.layers, args.block, smoke=args.smoke, seed=args.seed)
+    target, draft = build(
+        args.layers, args.block, smoke=args.smoke, seed=args.seed, stacked=args.layer_layout == "groups"
+    )
     jax.block_until_ready((target, draft))
     info["init_s"] = time.perf_counter() - t
     print(
@@ -692,6 +701,7 @@ def markdown(info, rows, mem, bw_src, bw):
         + (" — SMOKE (CPU, tiny config: no meaning as timings)" if info["smoke"] else ""),
         "",
         f"command: `{info['command']}`, {info['date']}; target {info['target']['layers']} layers "
+        f"({'stacked groups, one scan' if info['args'].get('layer_layout') == 'groups' else 'a list, unrolled'}) "
         f"(attention at {attn[:8]}{'…' if len(attn) > 8 else ''}), draft {info['draft']['layers']} layers, "
         f"block {info['draft']['block']}, taps {info['draft']['taps']}; floors at {bw_src} {bw / 1e12:.3f} TB/s",
         "",

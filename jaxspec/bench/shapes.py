@@ -100,11 +100,12 @@ def draft_config(shape, tc, block):
     )
 
 
-def build(layers, block, *, smoke=False, seed=0):
+def build(layers, block, *, smoke=False, seed=0, stacked=False):
     """(target, draft) with random bf16 weights: the REAL shapes (SMOKE with smoke=True, whose
     layer count is its own), the target cut to `layers` layers, the draft proposing blocks of
-    `block`. `init_target` makes one leaf at a time, so only the bf16 tree and one leaf's float32
-    temporaries are alive at once."""
+    `block`; the target's layers a per-layer list, unrolled (stacked=True: stacked groups run by one
+    scan, `target.stack_layers`). `init_target` makes one leaf at a time, so only the bf16 tree and one leaf's float32
+    temporaries (or stacked copy) are alive at once."""
     import jax
     import jax.numpy as jnp
 
@@ -113,6 +114,6 @@ def build(layers, block, *, smoke=False, seed=0):
 
     tshape, dshape = (SMOKE_TARGET, SMOKE_DRAFT) if smoke else (REAL_TARGET, REAL_DRAFT)
     tc = target_config(tshape, tshape["layers"] if smoke else layers)
-    target = target_mod.init_target(tc, jax.random.PRNGKey(seed), jnp.bfloat16)
+    target = target_mod.init_target(tc, jax.random.PRNGKey(seed), jnp.bfloat16, stacked=stacked)
     draft = dflash.init_draft(draft_config(dshape, tc, block), jax.random.PRNGKey(seed + 1), jnp.bfloat16)
     return target, draft
