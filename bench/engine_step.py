@@ -392,7 +392,7 @@ def main(args):
                 f"{time.perf_counter() - t:.1f} s: "
                 + ", ".join(f"{k[1]} tok {v * 1e3:.3f} ms" for k, v in sorted(tables[b].entries.items()))
             )
-        warmup = engine.spec.warmup_refits * engine.spec.refit_interval if mode in ("cap-accept", "compact") else 0
+        warmup = engine.warmup_steps if mode in ("cap-accept", "compact") else 0
         t = time.perf_counter()
         gen(engine, b)
         while engine.steps_run < warmup and not over_budget():

@@ -654,9 +654,11 @@ class SpecConfig:
     lag: steps between the survivals the host plans a budget with and the step it plans (>= 1:
         the host never waits for the step in flight).
     num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
-    refit_interval: estimator observe calls (steps) between refits.
-    warmup_refits: the first warmup_refits * refit_interval steps verify full blocks, so the
-        estimator does not learn only from its own trimmed windows.
+    refit_interval, first_refit: the estimator refits at steps first_refit * 2^j below
+        refit_interval (8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
+        first_refit 0: only the multiples of refit_interval).
+    warmup_refits: the steps before the estimator's warmup_refits-th refit verify full blocks, so
+        the estimator does not learn only from its own trimmed windows.
     prefill_rows: None: requests joining in one step are prefilled in one call padded to a
         power-of-two row count; an int R: every prefill call has exactly R rows (joins of more
         requests take several calls), so the prefill compiles once per prompt-length bucket.
@@ -676,7 +678,8 @@ class SpecConfig:
     lag: int = 2
     num_tiers: int = 4
     refit_interval: int = 100
-    warmup_refits: int = 1
+    first_refit: int = 8
+    warmup_refits: int = 3
     prefill_rows: int | None = None
     simulated_acceptance: SimulatedAcceptance | None = None
 
@@ -694,8 +697,9 @@ class SpecConfig:
         for field in ("lag", "num_tiers", "refit_interval"):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "must be an int >= 1")
-        if not _is_int(self.warmup_refits) or self.warmup_refits < 0:
-            raise bad("warmup_refits", "must be an int >= 0")
+        for field in ("first_refit", "warmup_refits"):
+            if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
+                raise bad(field, "must be an int >= 0")
         if self.prefill_rows is not None and (not _is_int(self.prefill_rows) or self.prefill_rows < 1):
             raise bad("prefill_rows", "must be None or an int >= 1")
         if self.simulated_acceptance is not None:

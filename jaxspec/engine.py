@@ -440,20 +440,33 @@ class Engine:
         return EngineState(
             cache=cache_mod.init_cache(self.target.config, self.cache_config),
             proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
-            estimator=estimator.init(self.window - 1, refit_interval=self.spec.refit_interval) if speculative else None,
+            estimator=estimator.init(
+                self.window - 1, refit_interval=self.spec.refit_interval, first_refit=self.spec.first_refit
+            )
+            if speculative
+            else None,
             anchor=jnp.zeros((s1,), jnp.int32),
             keys=jnp.zeros((s1, 2), jnp.uint32),
             sampling=SamplingParams.create(s1),
             draft_non_finite=jnp.zeros((), jnp.int32),
         )
 
+    @property
+    def warmup_steps(self) -> int:
+        """Steps that verify full blocks before compact / cap-accept plan: those before the
+        estimator's `warmup_refits`-th refit (its schedule: `estimator.refit_calls`)."""
+        spec = self.spec
+        refits = estimator.refit_calls(
+            spec.warmup_refits, refit_interval=spec.refit_interval, first_refit=spec.first_refit
+        )
+        return refits[-1] if refits else 0
+
     def _plans(self, old) -> bool:
         """Whether the next step plans a budget: not in static mode, during warm-up, without the
         step `lag` back (old is None) or without profiled costs (then it verifies everything)."""
-        warmup = self.spec.warmup_refits * self.spec.refit_interval
         return not (
             self.spec.verify_mode in ("none", "static")
-            or self._steps_run < warmup
+            or self._steps_run < self.warmup_steps
             or old is None
             or self.cost_table is None
             or self.cost_table.is_trivial

@@ -61,6 +61,32 @@ _observe = jax.jit(est.observe)
 _refit = jax.jit(est.refit)
 
 
+@pytest.mark.parametrize(
+    "first_refit,interval,want",
+    [
+        (8, 100, [8, 16, 32, 64, 100, 200]),
+        (4, 20, [4, 8, 16, 20, 40, 60]),
+        (0, 25, [25, 50, 75, 100, 125, 150]),
+        (8, 8, [8, 16, 24, 32, 40, 48]),
+        (3, 13, [3, 6, 12, 13, 26, 39]),
+    ],
+    ids=["default", "early-then-20", "no-early", "first-is-interval", "odd"],
+)
+def test_refit_schedule(first_refit, interval, want):
+    """refit_calls lists the schedule, and observe refits (resets its statistics) exactly there."""
+    assert est.refit_calls(len(want), refit_interval=interval, first_refit=first_refit) == want
+    rng = np.random.default_rng(first_refit * 1000 + interval)
+    x = jnp.asarray(rng.standard_normal((6, 3)), jnp.float32)
+    verified, accepted = jnp.full((6,), 3, jnp.int32), jnp.asarray(rng.integers(0, 4, 6), jnp.int32)
+    state = est.init(3, refit_interval=interval, first_refit=first_refit)
+    resets = []
+    for call in range(1, want[-1] + 1):
+        state = _observe(state, x, verified, accepted)  # every call observes: n > 0 unless it refit
+        if int(state.n) == 0:
+            resets.append(call)
+    assert resets == want
+
+
 def np_stats(a, b, x, verified, accepted):
     """float64 labels and IRLS statistics, written from the spec."""
     x = np.asarray(x, np.float64)
@@ -129,6 +155,7 @@ def test_init_defaults_and_validation():
         (dict(num_positions=0), "num_positions"),
         (dict(slope=-1.0), "slope"),
         (dict(refit_interval=0), "refit_interval"),
+        (dict(first_refit=-1), "first_refit"),
         (dict(ridge=0.0), "ridge"),
         (dict(damping=-1.0), "damping"),
         (dict(intercept=[1.0]), "intercept"),

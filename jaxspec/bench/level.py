@@ -110,7 +110,7 @@ def _profile_table(engine, path, key, cfg):
 def _warm_up(engine, reqs, concurrency, sampling):
     """Untimed closed-loop runs until the engine plans budgets (compact: past its warm-up steps)."""
     spec = engine.spec
-    need = spec.warmup_refits * spec.refit_interval + spec.lag if spec.verify_mode == "compact" else 0
+    need = engine.warmup_steps + spec.lag if spec.verify_mode == "compact" else 0
     client.closed_loop(engine, reqs, concurrency, sampling=sampling)
     while engine.steps_run < need:
         client.closed_loop(engine, reqs, concurrency, sampling=sampling)

@@ -7,7 +7,7 @@ Why a kernel: the work is tiny (B x P features), so its cost on the GPU is the n
 and XLA compiles the jnp form into several small kernels (the statistics, their reduction, then
 small fusions for the refit's divides and selects). Here one program walks the batch in
 `block_b`-row tiles (masked rows and positions add nothing), keeps the six sums in registers, adds
-them to the state, computes the refit every call and keeps it when `calls % refit_interval == 0`
+them to the state, computes the refit every call and keeps it when the schedule says (`refit_due`)
 (no branch, as the jnp form) and writes the nine state fields.
 
 Layout: x [B, P] float32 (non-finite features observe nothing), verified / accepted [B] int32;
@@ -89,6 +89,7 @@ def _kernel(
     block_b,
     p_pad,
     refit_interval,
+    early_refits,
     ridge,
     damping,
 ):
@@ -161,7 +162,9 @@ def _kernel(
     new_a = jnp.where(ok, slope + da, slope)
     new_b = jnp.where(ok, b + db, b)
     ok = _finite(new_a) & all_finite(new_b)
-    due = calls % refit_interval == 0
+    due = calls % refit_interval == 0  # the schedule (jaxspec.spec.estimator.refit_due)
+    for call in early_refits:
+        due = due | (calls == call)
 
     out = dict(
         slope=jnp.where(due & ok, new_a, slope),
@@ -218,6 +221,7 @@ def observe(
         block_b=block_b,
         p_pad=p_pad,
         refit_interval=state.refit_interval,
+        early_refits=tuple(state.early_refits),
         ridge=float(state.ridge),
         damping=float(state.damping),
     )

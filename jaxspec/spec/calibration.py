@@ -332,7 +332,7 @@ def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS) 
         "positions": P,
         "samples": int(mask.sum()),
         "calls": int(final.calls),
-        "refits": int(final.calls) // final.refit_interval,
+        "refits": sum(c <= int(final.calls) for c in final.early_refits) + int(final.calls) // final.refit_interval,
         **_scores(surv, base, mask, labels),
     }
     per_pos, rel_est, rel_base = [], [], []
@@ -463,7 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `estimator` command's arguments (for a sub-parser of the main CLI)."""
     # imported here: `python -m jaxspec.cli` runs after `import jaxspec` (-> engine -> this module),
     # which must not have imported jaxspec.cli already
-    from jaxspec.argtypes import positive_int
+    from jaxspec.argtypes import non_negative_int, positive_int
 
     parser.add_argument("trace", help="trace .npz (features, verified, accepted[, temperature, step])")
     parser.add_argument("--plot", metavar="PNG", help="write a reliability plot")
@@ -474,7 +474,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_BATCH_ROWS,
         help="rows per replayed observe call when the trace has no step index",
     )
-    parser.add_argument("--refit-interval", type=positive_int("--refit-interval"), default=100)
+    parser.add_argument(
+        "--refit-interval",
+        type=positive_int("--refit-interval"),
+        default=100,
+        help="refit every N observe calls after the early refits (the engine's default: 100)",
+    )
+    parser.add_argument(
+        "--first-refit",
+        type=non_negative_int("--first-refit"),
+        default=8,
+        help="early refits at calls F, 2F, 4F, ... below --refit-interval (0: none; the engine's default: 8)",
+    )
     parser.add_argument(
         "--cost-table",
         help="cost table JSON (`jaxspec profile`): also replay the planner on the trace (recorded in static "
@@ -503,7 +514,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             costs = CostTable.load(args.cost_table)
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"argument --cost-table: cannot read {args.cost_table!r}: {e}")
-    state = est.init(trace.num_positions, refit_interval=args.refit_interval)
+    state = est.init(trace.num_positions, refit_interval=args.refit_interval, first_refit=args.first_refit)
     result = evaluate(trace, state, batch_rows=args.batch_rows)
     if costs is not None:
         from jaxspec.spec.replay import format_replay, replay_planner

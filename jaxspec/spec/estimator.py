@@ -9,8 +9,10 @@ feature ``x_k = logit(q_max,k)`` of the temperature-scaled draft distribution (`
 
 Everything is a pure function over a device-resident `EstimatorState` pytree, so it can run
 inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
-evaluated at the current coefficients, and every ``refit_interval`` calls it takes one damped
-Newton step, selected on the device call counter. The selection is branch-free (the step is
+evaluated at the current coefficients, and at the calls of its refit schedule it takes one damped
+Newton step, selected on the device call counter: early refits at calls ``first_refit * 2^j`` below
+``refit_interval`` (8, 16, 32, 64 by default: calibrated within the first ~50 steps), then every
+``refit_interval`` calls (`refit_calls`). The selection is branch-free (the step is
 computed every call and kept only when due, `jnp.where`): an XLA GPU conditional copies its
 predicate to the host and waits, which costs more per step than computing the refit every time
 (docs/design.md section 1). Nothing here reads a value back to the host. Under sharding (a
@@ -63,6 +65,7 @@ __all__ = [
     "refit",
     "arrowhead_solve",
     "trust_scale",
+    "refit_calls",
     "FEATURE_CLAMP",
 ]
 
@@ -82,12 +85,37 @@ class EstimatorState:
     n: jax.Array  # []    int32 observations since the last refit
     calls: jax.Array  # []    int32 `observe` calls so far
     refit_interval: int = struct.field(pytree_node=False, default=100)
+    early_refits: tuple[int, ...] = struct.field(pytree_node=False, default=())
     ridge: float = struct.field(pytree_node=False, default=1e-3)
     damping: float = struct.field(pytree_node=False, default=50.0)
 
     @property
     def num_positions(self) -> int:
         return self.intercepts.shape[-1]
+
+
+def _early_refits(first_refit: int, refit_interval: int) -> tuple[int, ...]:
+    """The calls first_refit * 2^j below refit_interval."""
+    calls = []
+    while first_refit and (first_refit << len(calls)) < refit_interval:
+        calls.append(first_refit << len(calls))
+    return tuple(calls)
+
+
+def refit_calls(count: int, *, refit_interval: int = 100, first_refit: int = 8) -> list[int]:
+    """The first `count` values of the call counter (1-based, after the call) at which `observe`
+    refits, for an estimator made by init(..., refit_interval, first_refit)."""
+    early = list(_early_refits(first_refit, refit_interval))
+    return (early + [refit_interval * (j + 1) for j in range(count)])[:count]
+
+
+def refit_due(calls, refit_interval: int, early_refits: tuple[int, ...]):
+    """Whether call number `calls` (int32, 1-based) refits: the early calls, then every interval
+    (an unrolled chain of compares: no table, no branch)."""
+    due = calls % refit_interval == 0
+    for call in early_refits:
+        due = due | (calls == call)
+    return due
 
 
 def _check(name, value, ok, rule):
@@ -101,12 +129,15 @@ def init(
     slope: float = 0.5,
     intercept: float | Sequence[float] = -0.2,
     refit_interval: int = 100,
+    first_refit: int = 8,
     ridge: float = 1e-3,
     damping: float = 50.0,
 ) -> EstimatorState:
     """A fresh estimator for ``num_positions`` draft positions (block size - 1).
 
     ``intercept`` is one value for every position or a sequence of ``num_positions`` values.
+    Refits at calls first_refit, 2 first_refit, 4 first_refit, ... below refit_interval, then at
+    every multiple of refit_interval (first_refit = 0: the multiples only).
     """
     _check(
         "num_positions",
@@ -125,6 +156,12 @@ def init(
         refit_interval,
         isinstance(refit_interval, int) and not isinstance(refit_interval, bool) and refit_interval >= 1,
         "must be an int >= 1",
+    )
+    _check(
+        "first_refit",
+        first_refit,
+        isinstance(first_refit, int) and not isinstance(first_refit, bool) and first_refit >= 0,
+        "must be an int >= 0 (0: no early refits)",
     )
     _check(
         "ridge",
@@ -164,6 +201,7 @@ def init(
         n=jnp.zeros((), jnp.int32),
         calls=jnp.zeros((), jnp.int32),
         refit_interval=int(refit_interval),
+        early_refits=_early_refits(first_refit, refit_interval),
         ridge=float(ridge),
         damping=float(damping),
     )
@@ -249,7 +287,8 @@ def predict(state: EstimatorState, x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def observe(
     state: EstimatorState, x: jax.Array, verified: jax.Array, accepted: jax.Array, *, impl: str = "auto"
 ) -> EstimatorState:
-    """Add one step's labels to the Newton statistics; refit every ``refit_interval`` calls.
+    """Add one step's labels to the Newton statistics; refit at the calls of the schedule
+    (`refit_calls`).
 
     x [B, P] features of the drafts, verified [B] drafts verified, accepted [B] drafts accepted.
     Positions < accepted are labelled 1; position == accepted is labelled 0 if it was verified
@@ -297,7 +336,7 @@ def observe(
         n=state.n + _sum_positions(sums[5]).astype(jnp.int32),  # exact: counts < 2^24 per step
         calls=state.calls + 1,
     )
-    due = state.calls % state.refit_interval == 0
+    due = refit_due(state.calls, state.refit_interval, state.early_refits)
     return jax.tree_util.tree_map(lambda new, old: jnp.where(due, new, old), refit(state), state)
 
 
