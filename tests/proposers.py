@@ -118,7 +118,8 @@ def lookup_proposer(target, prompts, continuations, block_size, chain=False):
     return LookupProposer(jnp.asarray(table), vocab, block_size, nexts)
 
 
-def random_draft(model, block_size, seed=0):
+def random_draft(model, block_size, seed=0, taps=(1, 3)):
+    """A random 1-layer DFlash draft (hidden 64) reading the target's layers `taps`."""
     config = DraftConfig(
         hidden_size=64,
         intermediate_size=96,
@@ -128,8 +129,8 @@ def random_draft(model, block_size, seed=0):
         head_dim=16,
         vocab_size=model.config.vocab_size,
         block_size=block_size,
-        target_layer_ids=(1, 3),
-        mask_token_id=511,
-        target_hidden_size=64,
+        target_layer_ids=taps,
+        mask_token_id=model.config.vocab_size - 1,
+        target_hidden_size=model.config.hidden_size,
     )
     return dflash.init_draft(config, jax.random.PRNGKey(seed))

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from proposers import random_draft
 
 from jaxspec import cache as cache_mod
-from jaxspec import dflash
 from jaxspec import target as tgt
 from jaxspec.bench import shapes
-from jaxspec.config import CacheConfig, DraftConfig, SpecConfig
+from jaxspec.config import CacheConfig, SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.ops.linear import head_logits
 from jaxspec.ops.norms import rms_norm
@@ -156,22 +156,7 @@ def test_verify_commit_matches_the_layer_list(models, impl):
 def test_engine_decodes_the_same_tokens(models):
     """Greedy static speculation on the stacked target with a random draft tapping both groups
     emits the target-only greedy tokens of the per-layer list."""
-    draft = dflash.init_draft(
-        DraftConfig(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=CONFIG.vocab_size,
-            block_size=4,
-            target_layer_ids=TAPS,
-            mask_token_id=CONFIG.vocab_size - 1,
-            target_hidden_size=CONFIG.hidden_size,
-        ),
-        jax.random.PRNGKey(4),
-    )
+    draft = random_draft(models["stacked"], 4, seed=4, taps=TAPS)
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (9, 3, 14)]
     none = Engine(models["list"], None, SpecConfig(verify_mode="none", num_slots=3, max_len=64))
