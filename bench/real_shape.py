@@ -1,5 +1,5 @@
-"""Engine steps at the real Qwen3.5-27B shape (random bf16 weights): mode none vs the DFlash spec step,
-against their HBM floors, with a per-component GPU breakdown, compile times and a memory report.
+"""Engine steps at real shapes (Qwen3.5-27B by default; --model; random bf16 weights): mode none vs the DFlash
+spec step, against their HBM floors, with a per-component GPU breakdown, compile times and a memory report.
 
 Models (`jaxspec.bench.shapes.build`: random weights, bf16):
   target: Qwen3.5-27B-shaped (hidden 5120, intermediate 17408, layer i full attention iff (i+1) % 4 == 0,
@@ -47,7 +47,7 @@ installed, measured first in a subprocess; else the jitted JAX x+1 pass, which i
 are optimistic for the step).
 
 Memory report: bytes of the weights (target, draft), KV cache, GDN checkpoints, ring, conv state and the
-draft's context cache at 64 slots x 8192 context for the 64-layer target whatever --layers is
+draft's context cache at 64 slots x 8192 context for the whole --model target whatever --layers is
 (jax.eval_shape: nothing allocated), and whether it fits in 141e9 bytes.
 
 Compile: a batch's programs (pass 1: the none prefill and step, the spec prefill and the static step; pass 2:
@@ -82,7 +82,7 @@ import benchutil  # bench/benchutil.py: the script directory is first on sys.pat
 
 sys.path.insert(0, benchutil.ROOT)
 from jaxspec.bench.compile import precompile  # noqa: E402
-from jaxspec.bench.shapes import REAL_DRAFT, REAL_TARGET, SMOKE_DRAFT, SMOKE_TARGET, build, draft_config, target_config  # noqa: E402
+from jaxspec.bench.shapes import MODELS, build, draft_config, shapes_of, target_config  # noqa: E402
 from jaxspec.bench.trace import hlo_scopes, map_events, trace_events  # noqa: E402,F401  (hlo_scopes: tests)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,7 +92,13 @@ HBM_BYTES = 141e9  # H200
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
-    ap.add_argument("--layers", type=int, default=16, help="target layers kept (a multiple of 4; 64 = the whole)")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="qwen3.5-27b",
+        help="the target's shape (jaxspec.bench.shapes.MODELS; the MoE ones with their own drafts)",
+    )
+    ap.add_argument("--layers", type=int, default=16, help="target layers kept (a multiple of 4; --model's count: all)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--block", type=int, default=16)
@@ -139,10 +145,10 @@ def parse(argv=None):
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers, args.batches, args.max_len, args.block = SMOKE_TARGET["layers"], "1,2", 64, 4
+        args.layers, args.batches, args.max_len, args.block = shapes_of(args.model, True)[0]["layers"], "1,2", 64, 4
         args.reps, args.prompt_len, args.trace_calls = 2, 8, 2
-    elif args.layers < 4 or args.layers % 4:
-        ap.error(f"--layers={args.layers}: must be a positive multiple of 4")
+    elif args.layers < 4 or args.layers % 4 or args.layers > shapes_of(args.model)[0]["layers"]:
+        ap.error(f"--layers={args.layers}: must be a positive multiple of 4, at most the model's layers")
     calls = max(2, args.trace_calls + 2)  # one prefill holds the first call + one timed, and a trace
     if args.prompt_len + calls * args.block > args.max_len:
         ap.error(f"--max-len={args.max_len}: must hold --prompt-len + {calls} steps of --block tokens")
@@ -167,7 +173,8 @@ def _nbytes(tree):
 
 
 def param_bytes(tc, dc, itemsize=2):
-    """{"target_layers", "target_norm", "embed", "lm_head", "draft"}: weight bytes from the shape tables."""
+    """{"target_layers", "routed_experts" (the part of target_layers in routed experts), "target_norm", "embed",
+    "lm_head", "draft"}: weight bytes from the shape tables."""
     import jax
 
     from jaxspec import dflash, weights
@@ -176,6 +183,8 @@ def param_bytes(tc, dc, itemsize=2):
     shapes = weights.param_shapes(tc)
     out = {
         "target_layers": count(shapes["layers"]) * itemsize,
+        "routed_experts": sum(count([m["moe"]["gate_up"], m["moe"]["down"]]) for m in shapes["layers"] if "moe" in m)
+        * itemsize,
         "target_norm": count(shapes["norm"]) * itemsize,
         "embed": count(shapes["embed"]) * itemsize,
         "lm_head": count(shapes.get("lm_head", ())) * itemsize,
@@ -195,7 +204,9 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
     before the step; dc None = the none step (no draft terms). bf16 weights and activations (cache_cfg.dtype),
     GDN checkpoints in cache_cfg.state_dtype, ring updates in cache_cfg.ring_dtype.
     Target:
-      weights      every layer param + the final norm + the lm_head, read once; the embedding: `tokens` rows
+      weights      every layer param + the final norm + the lm_head, read once; the embedding: `tokens` rows.
+                   Mixture-of-experts layers read only the routed experts that `tokens` hit: with uniform
+                   routing of top-k of E, E (1 - (1 - k / E)^tokens) of them in expectation
       kv           per attention layer: K and V of batch x (ctx + tokens / batch) positions read
                    (batch x ctx x KVH x D x 2 x bytes, plus the window's), and the window's `tokens` written
       gdn_state    per GDN layer: the checkpoint batch x HV x K x V x state bytes read (verify) and written (fold)
@@ -223,7 +234,11 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
     h, hv, kd, vd = tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim
     per_row = tokens / batch
     terms = {
-        "weights": pb["target_layers"] + pb["target_norm"] + pb["lm_head"] + tokens * tc.hidden_size * act,
+        "weights": pb["target_layers"]
+        - pb["routed_experts"] * (1 - expert_share(tc, tokens))
+        + pb["target_norm"]
+        + pb["lm_head"]
+        + tokens * tc.hidden_size * act,
         "kv": a * (batch * (ctx + per_row) + tokens) * kvh * d * 2 * act,
         "gdn_state": g * batch * hv * kd * vd * state_b * 2,
         "conv": g * (batch * (tc.linear_conv_kernel_dim - 1) * tc.conv_dim * act * 2 + tokens * tc.conv_dim * act * 2),
@@ -243,6 +258,14 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
     return {"terms": terms, "info": info, "bytes": total, "ms": total / bandwidth * 1e3}
 
 
+def expert_share(tc, tokens):
+    """Expected share of a mixture-of-experts layer's routed experts that `tokens` tokens hit when each
+    picks top-k of E uniformly: 1 - (1 - k / E)^tokens (0 for a dense target)."""
+    if not tc.num_experts:
+        return 0.0
+    return 1 - (1 - tc.num_experts_per_tok / tc.num_experts) ** tokens
+
+
 def floor_line(name, floor, bandwidth):
     parts = ", ".join(f"{k} {v / 1e6:.1f} MB ({v / bandwidth * 1e3:.3f} ms)" for k, v in floor["terms"].items())
     info = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in floor["info"].items())
@@ -253,7 +276,7 @@ def floor_line(name, floor, bandwidth):
 
 
 def memory_report(args, batch=64, context=8192):
-    """Bytes of the 64-layer real-shape weights and state at `batch` slots x `context` tokens, from
+    """Bytes of the whole --model target's weights and state at `batch` slots x `context` tokens, from
     jax.eval_shape (nothing allocated): {"items": {name: bytes}, "total", "fits", ...}."""
     import jax
     import jax.numpy as jnp
@@ -263,8 +286,9 @@ def memory_report(args, batch=64, context=8192):
     from jaxspec import target as target_mod
     from jaxspec.spec import estimator
 
-    tc = target_config(REAL_TARGET, REAL_TARGET["layers"])
-    dc = draft_config(REAL_DRAFT, tc, args.block)
+    tshape, dshape = shapes_of(args.model)
+    tc = target_config(tshape, tshape["layers"])
+    dc = draft_config(dshape, tc, args.block)
     spec = spec_config("static", batch, argparse.Namespace(max_len=context, num_tiers=args.num_tiers))
     cache_cfg = spec.cache_config(args.block, "bfloat16")
     key = jax.random.PRNGKey(0)
@@ -448,7 +472,7 @@ def main(args):
     modes = set(args.modes.split(","))
     rows = {b: dict(batch=b, command=command, date=date, none=None, spec_full=None, compact={}) for b in batches}
     compiles = []
-    tshape, dshape = (SMOKE_TARGET, SMOKE_DRAFT) if args.smoke else (REAL_TARGET, REAL_DRAFT)
+    tshape, dshape = shapes_of(args.model, args.smoke)
     tc = target_config(tshape, args.layers)
     dc = draft_config(dshape, tc, args.block)
     info = dict(
@@ -492,7 +516,12 @@ def main(args):
 
     t = time.perf_counter()
     target, draft = build(
-        args.layers, args.block, smoke=args.smoke, seed=args.seed, stacked=args.layer_layout == "groups"
+        args.layers,
+        args.block,
+        model=args.model,
+        smoke=args.smoke,
+        seed=args.seed,
+        stacked=args.layer_layout == "groups",
     )
     jax.block_until_ready((target, draft))
     info["init_s"] = time.perf_counter() - t

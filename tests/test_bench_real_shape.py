@@ -2,12 +2,15 @@
 JSON and markdown report, with finite step times and floors per batch and the 64-layer memory report; and its
 kernel -> engine scope mapping on synthetic trace events and HLO text."""
 
+import argparse
 import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "real_shape.py")
@@ -27,7 +30,60 @@ def qwen35_27b_params():
     return vocab * d * 2 + d + n_attn * (attn + mlp + norms) + (layers - n_attn) * (gdn + mlp + norms)
 
 
-def test_smoke_run_writes_report(tmp_path):
+def qwen35_35b_a3b_params():
+    """(all, routed experts) parameters of the 40-layer Qwen3.5-35B-A3B text model, from its published
+    dimensions: every layer 256 experts of width 512, a shared expert of 512 with its gate, a router."""
+    d, vocab, layers, experts, width = 2048, 248320, 40, 256, 512
+    hq, kvh, hd = 16, 2, 256
+    hk, hv, dk, dv, w = 16, 32, 128, 128, 4
+    routed = experts * 3 * d * width
+    moe = routed + 3 * d * width + d + d * experts  # + shared expert, its gate, the router
+    norms = 2 * d
+    conv = 2 * hk * dk + hv * dv
+    gdn = d * conv + d * hv * dv + 2 * d * hv + conv * w + 2 * hv + dv + hv * dv * d
+    attn = d * 2 * hq * hd + 2 * d * kvh * hd + hq * hd * d + 2 * hd
+    n_attn = layers // 4
+    total = vocab * d * 2 + d + n_attn * (attn + moe + norms) + (layers - n_attn) * (gdn + moe + norms)
+    return total, layers * routed
+
+
+def test_moe_floors_count_the_experts_a_step_hits():
+    """The 35B-A3B's weight floor: every non-expert weight, plus the routed experts that `tokens` tokens
+    hit in expectation (1 - (1 - 8/256)^tokens of them), growing with the tokens to all of them."""
+    rs = _bench_module()
+    from jaxspec.bench import shapes
+
+    tshape, dshape = shapes.shapes_of("qwen3.5-35b-a3b")
+    tc = shapes.target_config(tshape, tshape["layers"])
+    pb = rs.param_bytes(tc, None)
+    total, routed = qwen35_35b_a3b_params()
+    assert pb["routed_experts"] == 2 * routed
+    body = pb["target_layers"] + pb["embed"] + pb["lm_head"] + pb["target_norm"]
+    assert abs(body - 2 * total) <= 0.01 * 2 * total, (body, 2 * total)
+    assert 33e9 < total < 36e9  # the count itself: a 35B model
+    assert rs.expert_share(tc, 1) == 8 / 256
+    cache_cfg = rs.spec_config("none", 1, argparse.Namespace(max_len=1024, num_tiers=4)).cache_config(8, "bfloat16")
+    weights = []
+    for tokens in (1, 8, 64, 512):
+        floor = rs.step_floor(tc, None, cache_cfg, batch=1, tokens=tokens, ctx=0, bandwidth=1e12)
+        share = 1 - (1 - 8 / 256) ** tokens
+        want = pb["target_layers"] - pb["routed_experts"] * (1 - share) + pb["target_norm"] + pb["lm_head"]
+        assert abs(floor["terms"]["weights"] - tokens * tc.hidden_size * 2 - want) <= 1
+        weights.append(floor["terms"]["weights"])
+    assert weights == sorted(weights) and weights[-1] < body
+    dense = shapes.target_config(shapes.shapes_of("qwen3.5-27b")[0], 16)
+    assert rs.expert_share(dense, 64) == 0.0
+
+
+@pytest.mark.parametrize(
+    "model,layers,params,billions",
+    [
+        ("qwen3.5-27b", 64, qwen35_27b_params, (25, 29)),
+        ("qwen3.5-35b-a3b", 40, lambda: qwen35_35b_a3b_params()[0], (33, 36)),
+    ],
+    ids=["dense-27b", "moe-35b-a3b"],
+)
+def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -37,7 +93,7 @@ def test_smoke_run_writes_report(tmp_path):
     )
     env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--smoke", "--out", str(tmp_path)],
+        [sys.executable, SCRIPT, "--smoke", "--model", model, "--out", str(tmp_path)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -68,17 +124,17 @@ def test_smoke_run_writes_report(tmp_path):
             assert res["ms"] > 0 and res["tokens_per_step"] == int(tier)  # forced acceptance: tier tokens
 
     mem = report["memory"]
-    assert mem["layers"] == 64 and mem["batch"] == 64 and mem["context"] == 8192
-    expected = 2 * qwen35_27b_params()
+    assert mem["layers"] == layers and mem["batch"] == 64 and mem["context"] == 8192
+    expected = 2 * params()
     assert abs(mem["items"]["target weights"] - expected) <= 0.05 * expected, (mem["items"], expected)
-    assert 25e9 < expected / 2 < 29e9  # the count itself: a 27B model
+    assert billions[0] * 1e9 < expected / 2 < billions[1] * 1e9  # the count itself
     assert mem["total"] == sum(mem["items"].values()) and mem["fits"] == (mem["total"] <= 141e9)
 
     md = (tmp_path / "real_shape.md").read_text()
     assert "| batch | none ms | none floor ms |" in md
     table = md[md.index("| batch | none ms") :].splitlines()
     assert [ln.split("|")[1].strip() for ln in table[2:4]] == ["1", "2"]
-    assert "## memory at 64 layers" in md
+    assert f"## memory at {layers} layers" in md
 
 
 def _bench_module():
