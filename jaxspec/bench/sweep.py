@@ -31,6 +31,7 @@ import time
 from jaxspec.bench import level as level_mod
 from jaxspec.bench.plots import plot
 from jaxspec.bench.report import markdown
+from jaxspec.bench.shapes import MODELS, shapes_of
 
 SPEC_MODES = ("static", "cap-accept", "compact")
 
@@ -86,10 +87,16 @@ def add_arguments(p):
     p.add_argument("--target", default=DEFAULT_TARGET, help="tiny: target checkpoint (default: models/tiny-target)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="tiny: DFlash draft checkpoint (default: models/tiny-dflash)")
     p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="qwen3.5-27b",
+        help="real-shape: the target's shape (jaxspec.bench.shapes.MODELS; default qwen3.5-27b)",
+    )
+    p.add_argument(
         "--layers",
         type=positive_int("--layers"),
         default=16,
-        help="real-shape: target layers kept of 64 (a multiple of 4)",
+        help="real-shape: target layers kept of the model's (a multiple of 4)",
     )
     p.add_argument(
         "--block",
@@ -192,8 +199,10 @@ def _config(args, parser) -> dict:
         parser.error(f"argument --modes: {args.modes} must be distinct of none, {', '.join(SPEC_MODES)}")
     if any(t < 0 for t in args.temperatures):
         parser.error(f"argument --temperatures: must be >= 0, got {args.temperatures}")
-    if args.workload == "real-shape" and args.layers % 4 and not args.smoke:
-        parser.error(f"argument --layers: must be a multiple of 4, got {args.layers}")
+    if args.workload == "real-shape" and not args.smoke:
+        most = shapes_of(args.model)[0]["layers"]
+        if args.layers % 4 or args.layers > most:
+            parser.error(f"argument --layers: must be a multiple of 4 at most {most} ({args.model}), got {args.layers}")
     if args.workload == "real-shape" and any(not 1 < a < args.block for a in args.accept_lengths):
         parser.error(f"argument --accept-lengths: each must lie in (1, {args.block}) at --block {args.block}")
     if not 2 <= args.block <= 64:
@@ -211,6 +220,7 @@ def _config(args, parser) -> dict:
         "sim_slope": args.sim_slope,
         "block": args.block,
         "layers": args.layers,
+        "model": args.model,
         "min_requests": args.min_requests,
         "requests_factor": args.requests_factor,
         "output_len": args.output_len,
@@ -247,7 +257,13 @@ def _workload(cfg, args):
     if cfg["workload"] == "tiny":
         return workload.tiny(args.target, args.draft, count=count, prompt_len=cfg["prompt_len"], seed=cfg["seed"])
     return workload.real_shape(
-        cfg["layers"], cfg["block"], count=count, prompt_len=cfg["prompt_len"], seed=cfg["seed"], smoke=cfg["smoke"]
+        cfg["layers"],
+        cfg["block"],
+        model=cfg["model"],
+        count=count,
+        prompt_len=cfg["prompt_len"],
+        seed=cfg["seed"],
+        smoke=cfg["smoke"],
     )
 
 

@@ -48,20 +48,21 @@ def tiny(target_dir, draft_dir, *, count, prompt_len, seed) -> Workload:
     return Workload("tiny", target, draft, prompts, "float32", False, info)
 
 
-def real_shape(layers, block, *, count, prompt_len, seed, smoke=False) -> Workload:
-    """The Qwen3.5-27B-shaped target cut to `layers` layers and the 5-layer DFlash draft of block
-    `block` (`shapes.build`, random bf16 weights; SMOKE shapes with smoke=True) on random ids."""
+def real_shape(layers, block, *, count, prompt_len, seed, model="qwen3.5-27b", smoke=False) -> Workload:
+    """The `model`-shaped target (`shapes.MODELS`) cut to `layers` layers and its 5-layer DFlash draft
+    of block `block` (`shapes.build`, random bf16 weights; SMOKE shapes with smoke=True) on random ids."""
     import jax
 
     from jaxspec.bench import shapes
     from jaxspec.bench.prompts import random_prompts
 
-    target, draft = shapes.build(layers, block, smoke=smoke, seed=seed)
+    target, draft = shapes.build(layers, block, model=model, smoke=smoke, seed=seed)
     jax.block_until_ready((target, draft))
     tc = target.config
     prompts = random_prompts(count, prompt_len, tc.vocab_size, seed)
     info = {
         "name": "real-shape",
+        "model": model,
         "smoke_shapes": smoke,
         "target_layers": tc.num_hidden_layers,
         "target_hidden": tc.hidden_size,
@@ -73,7 +74,7 @@ def real_shape(layers, block, *, count, prompt_len, seed, smoke=False) -> Worklo
         "acceptance": "SIMULATED: each drafted position accepted with probability sigmoid(a * x + b) of the "
         "draft feature x (logit of the draft's max probability); draft and verify costs are real",
     }
-    key = f"real-shape-L{tc.num_hidden_layers}" + ("-smoke" if smoke else "")
+    key = f"real-shape-{model}-L{tc.num_hidden_layers}" + ("-smoke" if smoke else "")
     return Workload(key, target, draft, prompts, "bfloat16", True, info)
 
 
