@@ -47,21 +47,24 @@ def draft_dir(tmp_path_factory):
     return str(path)
 
 
-def test_generate_json_static_equals_none(draft_dir, capsys):
+def test_generate_json_static_equals_none(capsys):
+    """The shipped pair (models/), not the random draft of `draft_dir`: a random draft has every
+    proposal rejected (measured: accept length 1.0 on both prompts), so static == none would only
+    exercise the bonus token. The shipped draft accepts, so the equality covers accepted drafts."""
     outs = {}
     for mode in ("none", "static"):
         argv = [
             "generate",
             "--target",
-            FIXTURE,
+            cli.DEFAULT_TARGET,
             "--draft",
-            draft_dir,
+            cli.DEFAULT_DRAFT,
             "--prompt",
             "def f(x):",
             "--prompt",
             "ab",
             "--max-new-tokens",
-            "6",
+            "16",
             "--verify-mode",
             mode,
             "--seed",
@@ -70,10 +73,18 @@ def test_generate_json_static_equals_none(draft_dir, capsys):
         ]
         assert cli.main(argv) == 0
         outs[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(outs["none"]) == len(outs["static"]) == 2
     for none, static in zip(outs["none"], outs["static"]):
-        assert none["tokens"] == static["tokens"] and len(none["tokens"]) == 6
+        assert none["tokens"] == static["tokens"] and len(none["tokens"]) == 16
         assert set(static["stats"]) == {"accept_length", "steps", "tokens_per_s", "includes_compilation"}
-        assert static["stats"]["accept_length"] >= 1.0 and isinstance(static["text"], str)
+        assert isinstance(static["text"], str)
+        # none commits one token a step; the first token comes from prefill
+        assert none["stats"]["steps"] == 15 and none["stats"]["accept_length"] == 1.0
+        # the reported accept length is what the step count implies
+        assert static["stats"]["accept_length"] == pytest.approx(15 / static["stats"]["steps"])
+        # measured (CPU, 2026-12): 15.0 (1 step) for "def f(x):", 2.14 (7 steps) for "ab"; 1.5 is
+        # the floor test_shipped_models uses for this draft (a broken draft or verify gives 1.0)
+        assert static["stats"]["accept_length"] > 1.5, static["stats"]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +167,11 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
         "--json",
     ]
     assert cli.main(argv) == 0
-    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 5
+    compact = json.loads(capsys.readouterr().out)["tokens"]
+    # greedy decoding is lossless: the cost-table-driven compact mode emits what mode none does
+    none = argv[: argv.index("--verify-mode")] + ["--verify-mode", "none", "--json"]
+    assert cli.main(none) == 0
+    assert compact == json.loads(capsys.readouterr().out)["tokens"] and len(compact) == 5
 
 
 def test_overflowing_target_is_an_error_not_garbage(tmp_path, capsys):

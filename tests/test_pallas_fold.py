@@ -206,7 +206,7 @@ def test_dispatch():
         np.testing.assert_array_equal(oracle.bits(auto), oracle.bits(ref))
     check(via_op, args, u_exact, ref=ref)
     # an unsupported call: V = 8 is below the MMA width
-    small = make_case(
+    small, small_exact = make_case(
         rng,
         layers=None,
         s1=2,
@@ -218,10 +218,16 @@ def test_dispatch():
         hv=2,
         kd=16,
         vd=8,
-    )[0]
+    )
     with pytest.raises(ValueError, match="gdn_fold"):
         gdn_fold(*small, impl="pallas")
-    np.asarray(gdn_fold(*small, impl="auto"))  # falls back to the reference
+    # auto falls back to the reference, on any device: bit-equal to impl="ref" (the same jnp code
+    # under the same jit), and that result right against the float64 oracle (so a fallback that
+    # returns the checkpoint unchanged, or a broken reference, fails here)
+    fallback = np.asarray(jax.jit(functools.partial(gdn_fold, impl="auto"))(*small))
+    small_ref = np.asarray(jax.jit(functools.partial(gdn_fold, impl="ref"))(*small))
+    np.testing.assert_array_equal(oracle.bits(fallback), oracle.bits(small_ref))
+    check(fallback, small, small_exact)
 
 
 # ------------------------------------------------------------------------------ H200 lowering

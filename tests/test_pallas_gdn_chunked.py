@@ -238,7 +238,14 @@ def test_dispatch():
     small = make_case(14, B=1, T=5, lengths=[5], dtype=jnp.float32, H=1, HV=2, K=16, V=8)
     with pytest.raises(ValueError, match="gdn_chunked"):
         gdn_chunked(*small, impl="pallas")
-    np.asarray(gdn_chunked(*small, impl="auto")[0])  # falls back to the reference
+    # auto falls back to the reference, on any device: bit-equal to impl="ref" (the same jnp code
+    # under the same jit), and that result right against the float64 recurrence (so a fallback that
+    # returns something else, or a broken reference, fails here)
+    fallback = jax.jit(functools.partial(gdn_chunked, impl="auto"))(*small)
+    small_ref = jax.jit(functools.partial(gdn_chunked, impl="ref"))(*small)
+    for a, b in zip(fallback, small_ref):
+        np.testing.assert_array_equal(oracle.bits(np.asarray(a)), oracle.bits(np.asarray(b)))
+    check(fallback, small)
 
 
 # ------------------------------------------------------------------------------ H200 lowering

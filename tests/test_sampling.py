@@ -1,6 +1,6 @@
 """Sampling: the processed target distribution against an independent numpy reference, greedy
 acceptance on hand-made cases, and losslessness of speculative sampling by a chi-square test on
-the first emitted tokens of a small Markov target (with a wrong rule to show the test has power).
+the first emitted tokens of a small Markov target (with wrong rules to show the test has power).
 """
 
 import functools
@@ -178,14 +178,30 @@ def test_draft_distribution_and_sample():
     # one key per request: a request's draws do not depend on its batch
     q1 = jax.tree_util.tree_map(lambda a: a[1], q)
     np.testing.assert_array_equal(np.asarray(sample_draft(keys[1], q1)), np.asarray(tok[1]))
-    # zero-probability tokens are never drawn; the draws follow q (chi-square, 3 cells)
-    qs = draft_distribution(
-        jnp.full((6000, VOCAB), -jnp.inf).at[:, [2, 5, 7]].set(jnp.log(jnp.array([0.2, 0.3, 0.5]))), 1.0
-    )
-    draws = np.asarray(jax.jit(sample_draft)(jax.random.key(3), qs))
-    assert set(np.unique(draws)) == {2, 5, 7}
-    _, _, p_value = chi2_test([(draws == v).sum() for v in (2, 5, 7)], [0.2, 0.3, 0.5])
-    assert p_value > 1e-3
+    # zero-probability tokens are never drawn; the draws follow q (chi-square, 3 cells). The draft
+    # temperature is 0.5 on logits 0.5 log(q), so a sampler that drops or repeats the temperature
+    # draws from another distribution.
+    q3 = np.array([0.2, 0.3, 0.5])
+    qs = draft_distribution(jnp.full((6000, VOCAB), -jnp.inf).at[:, [2, 5, 7]].set(0.5 * jnp.log(q3)), 0.5)
+
+    def p_value(sampler):
+        draws = np.asarray(jax.jit(sampler)(jax.random.key(3), qs))
+        assert set(np.unique(draws)) == {2, 5, 7}
+        return chi2_test([(draws == v).sum() for v in (2, 5, 7)], q3)[2]
+
+    assert p_value(sample_draft) > 1e-3
+    # Controls: wrong samplers written here must fail the same check with the same 6000 draws.
+    # Measured (2026-12, keys 3..5): chi-square 200-206, 647-693 and 3497-3648 on 2 degrees of
+    # freedom (p = 0.0 in float32) for the three; the right sampler p = 0.58, 0.59, 0.93.
+    wrong = {
+        "temperature ignored": lambda key, q: jax.random.categorical(key, q.logits),  # q ~ sqrt(q3)
+        "temperature applied twice": lambda key, q: jax.random.categorical(key, q.scaled() / 0.5),  # ~ q3^2
+        "uniform instead of Gumbel noise": lambda key, q: jnp.argmax(
+            q.scaled() + jax.random.uniform(key, q.logits.shape), axis=-1
+        ),
+    }
+    for name, sampler in wrong.items():
+        assert p_value(sampler) < 1e-3, name
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 300])
@@ -331,30 +347,79 @@ def _tables():
     return target, draft
 
 
-def _accept_maybe_wrong(wrong, keys, probs, ids, drafts, q, nv, temperature):
-    """accept, or (wrong = True, traced) the classic bug: accept with min(1, p/q) but draw the bonus
-    after a rejection from p instead of the residual."""
-    a, bonus, emitted = accept(keys, probs, ids, drafts, q, nv, temperature)
-    rows = jnp.arange(probs.shape[0])
-    p_a, ids_a = probs[rows, a], ids[rows, a]
-    k2 = jax.vmap(lambda k: jax.random.fold_in(k, 99))(keys)
-    idx = jax.vmap(jax.random.categorical)(k2, jnp.log(p_a))
-    plain = ids_a[rows, idx]
-    bonus = jnp.where(wrong & (a < nv), plain, bonus)
-    emitted = jnp.where(jnp.arange(T)[None] == a[:, None], bonus[:, None], emitted)
+# Acceptance rules the simulation can run (a traced int): the library's `accept`, a rule written
+# here from the spec (a positive control: it must pass the lossless check, so the wrong variants
+# below fail for their bug and not for a slip of this re-implementation), and wrong variants of
+# it, each a bug that must fail the same check at the same sample size.
+LIBRARY = 0
+TEST_RULE = 1  # the spec's rule, re-implemented below
+BONUS_FROM_P = 2  # after a rejection the bonus is drawn from p instead of the residual
+UNNORMALISED = 3  # the residual max(p - q, 0) used without renormalising; its missing mass comes from p
+CAP_AS_REJECTION = 4  # off by one at the cap: `a <= cap` taken as a rejection, so a capped bonus is residual
+INVERTED_RATIO = 5  # accept with min(1, q / p) instead of min(1, p / q)
+GREEDY_MATCH = 6  # accept a draft iff it is the target's argmax (the greedy rule while sampling)
+BUGS = {
+    "bonus-from-p": BONUS_FROM_P,
+    "unnormalised-residual": UNNORMALISED,
+    "cap-as-rejection": CAP_AS_REJECTION,
+    "inverted-ratio": INVERTED_RATIO,
+    "greedy-match": GREEDY_MATCH,
+}
+
+
+def _test_rule_one(rule, key, probs, ids, drafts, q_at_draft, q_at_ids, nv):
+    """The sampling rule for one request, written from `accept`'s docstring (temperature > 0):
+    probs / ids [T, K], drafts [T-1], q_at_draft [T-1], q_at_ids [T-1, K]; `rule` (traced)
+    TEST_RULE or one of the bugs. -> (a, bonus, emitted [T])."""
+    key_u, key_bonus = jax.random.split(key)
+    p_at_draft = jnp.sum(jnp.where(ids[:-1] == drafts[:, None], probs[:-1], 0.0), axis=-1)
+    u = jax.random.uniform(key_u, (T - 1,))
+    argmax_tok = ids[jnp.arange(T), jnp.argmax(probs, axis=-1)]
+    ok = jnp.select(
+        [rule == INVERTED_RATIO, rule == GREEDY_MATCH],
+        [u * p_at_draft < q_at_draft, drafts == argmax_tok[:-1]],
+        u * q_at_draft < p_at_draft,
+    )
+    ok = ok & (jnp.arange(T - 1) < nv)
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    p_a, q_a = probs[a], q_at_ids[jnp.minimum(a, T - 2)]
+    rejected = jnp.where(rule == CAP_AS_REJECTION, a <= nv, a < nv)
+    residual = jnp.maximum(p_a - q_a, 0.0)
+    mass = jnp.sum(residual)
+    w = jnp.where(mass > 0, residual / mass, p_a)
+    w = jnp.where(rule == UNNORMALISED, residual + (1.0 - mass) * p_a, w)
+    w = jnp.where(rejected & (rule != BONUS_FROM_P), w, p_a)
+    bonus = ids[a, jax.random.categorical(key_bonus, jnp.log(w))]
+    emitted = jnp.where(jnp.arange(T) < a, jnp.append(drafts, 0), jnp.where(jnp.arange(T) == a, bonus, -1))
     return a, bonus, emitted
+
+
+def _accept_rule(rule, keys, probs, ids, drafts, q, nv, temperature):
+    """LIBRARY: jaxspec's accept; otherwise `_test_rule_one` with that rule."""
+
+    def test_rule(_):
+        if q is None:  # greedy drafts: q is one-hot on the draft token, as accept documents
+            q_at_draft = jnp.ones(drafts.shape, jnp.float32)
+            q_at_ids = (ids[:, :-1] == drafts[..., None]).astype(jnp.float32)
+        else:
+            q_at_draft, q_at_ids = q.prob_at(drafts[..., None])[..., 0], q.prob_at(ids[:, :-1])
+        return jax.vmap(functools.partial(_test_rule_one, rule))(keys, probs, ids, drafts, q_at_draft, q_at_ids, nv)
+
+    library = lambda _: accept(keys, probs, ids, drafts, q, nv, temperature)
+    return jax.lax.cond(rule == LIBRARY, library, test_rule, None)
 
 
 RANDOM_CAP = -1
 
 
 @functools.partial(jax.jit, static_argnames=("max_top_k", "greedy_draft"))
-def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, wrong, *, max_top_k, greedy_draft):
+def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, rule, *, max_top_k, greedy_draft):
     """N_SAMPLES independent generations from anchor 0 by speculative decoding; -> first N_TOKENS
     emitted tokens [N, N_TOKENS]. The draft samples autoregressively at draft_temp [N]; greedy_draft
     passes q = None (draft_temp must then be 0). cap (traced int): T-1 = verify every draft, 0..T-2 =
     a fixed cap, RANDOM_CAP = a cap drawn uniformly in 0..T-1 per request per step (drawn from its
-    own key, independent of the drafts' values). wrong (traced bool): use the wrong bonus rule."""
+    own key, independent of the drafts' values). rule (traced int): the acceptance rule, LIBRARY or
+    one of the test's rules (`_accept_rule`)."""
     n = N_SAMPLES
     keys = jax.random.split(key, n)
 
@@ -373,7 +438,7 @@ def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, wrong, *, max
         probs, ids = target_distribution(target_tab[window], params, max_top_k)
         random_nv = jax.vmap(lambda k: jax.random.randint(k, (), 0, T))(step_keys[:, T - 1])
         nv = jnp.where(cap == RANDOM_CAP, random_nv, cap).astype(jnp.int32)
-        a, bonus, emitted = _accept_maybe_wrong(wrong, step_keys[:, T], probs, ids, drafts, q, nv, params.temperature)
+        a, bonus, emitted = _accept_rule(rule, step_keys[:, T], probs, ids, drafts, q, nv, params.temperature)
         pos = count[:, None] + jnp.arange(T)[None]
         pos = jnp.where(emitted >= 0, pos, N_TOKENS + T)  # out of range: dropped
         out = jax.vmap(lambda o, p, e: o.at[p].set(e, mode="drop"))(out, pos, emitted)
@@ -416,7 +481,7 @@ CONFIGS = {
 }
 
 
-def _run(name, wrong=False, seed=0):
+def _run(name, rule=LIBRARY, seed=0):
     temperature, top_k, top_p, max_top_k, cap, greedy_draft = CONFIGS[name]
     target_tab, draft_tab = _tables()
     params = SamplingParams.create(N_SAMPLES, temperature, top_k, top_p)
@@ -428,7 +493,7 @@ def _run(name, wrong=False, seed=0):
         params,
         draft_temp,
         jnp.int32(cap),
-        jnp.bool_(wrong),
+        jnp.int32(rule),
         max_top_k=max_top_k,
         greedy_draft=greedy_draft,
     )
@@ -441,10 +506,21 @@ def test_speculative_sampling_is_lossless(name):
     assert min(pv.values()) > 1e-3, pv
 
 
-@pytest.mark.parametrize("name", ["plain", "cap1-topk-topp-temp"])
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_lossless_harness_detects_a_wrong_rule(name):
-    pv = _run(name, wrong=True)
-    assert pv["joint123"] < 1e-3, pv
+    """Every configuration (greedy drafts, fixed and random caps included): the rule re-implemented
+    here passes the lossless check, and each wrong variant fails it at the same sample size.
+    Measured (2026-12, seeds 0..2): the test's rule gives the library's p-values exactly (its draws
+    are the same); every bug gives p = 0.0 on every configuration, except the cap off-by-one under
+    "plain", which is not run: with the cap at T-1 the capped bonus is the 4th token, past the 3
+    compared."""
+    assert min(_run(name, TEST_RULE).values()) > 1e-3
+    cap = CONFIGS[name][4]
+    for bug, rule in BUGS.items():
+        if rule == CAP_AS_REJECTION and cap == T - 1:
+            continue
+        pv = _run(name, rule)
+        assert min(pv.values()) < 1e-3, (bug, pv)
 
 
 def test_greedy_target_emits_the_greedy_chain():
@@ -459,7 +535,7 @@ def test_greedy_target_emits_the_greedy_chain():
             params,
             jnp.ones(N_SAMPLES),
             jnp.int32(RANDOM_CAP),
-            jnp.bool_(False),
+            jnp.int32(LIBRARY),
             max_top_k=V,
             greedy_draft=False,
         )
