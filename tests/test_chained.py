@@ -69,12 +69,16 @@ def _committed_state(state, slot):
     )
 
 
+# Tolerances about 4x the measured error (max over the 64 steps of the output and committed-state
+# errors; the seeds are fixed, so these are exact reruns; CPU, jax 0.11.2, 2026-12-05):
+# every-f32 2.2e-7 / 2.1e-7, lazy-f32 2.3e-7 / 1.7e-7, lazy-bf16ring 6.9e-6 / 6.8e-6,
+# every-bf16ckpt 7.3e-3 / 6.5e-3 (output / state).
 @pytest.mark.parametrize(
     "fold_policy,ring_dtype,state_dtype,tol",
     [
-        ("every", "float32", "float32", 2e-5),
-        ("lazy", "float32", "float32", 2e-5),
-        ("lazy", "bfloat16", "float32", 2e-4),
+        ("every", "float32", "float32", 1e-6),
+        ("lazy", "float32", "float32", 1e-6),
+        ("lazy", "bfloat16", "float32", 3e-5),
         ("every", "bfloat16", "bfloat16", 3e-2),
     ],
     ids=["every-f32", "lazy-f32", "lazy-bf16ring", "every-bf16ckpt"],
@@ -149,8 +153,11 @@ def test_chained_steps_match_float64(fold_policy, ring_dtype, state_dtype, tol):
         assert int(state.write_pos[0]) == 0 and not np.any(np.asarray(state.ckpt[:, 0], np.float32))
     out_err, state_err = np.array(out_err), np.array(state_err).reshape(steps, 3).max(axis=1)
     assert out_err.max() <= tol and state_err.max() <= tol, (out_err.max(), state_err.max())
-    # no growth: the late steps are no worse than the early ones beyond noise
+    # no growth: the mean error of the last 16 steps is within 1.5x that of the first 16 (measured
+    # 0.82-1.15 over the cases and both errors; one step's error varies by 20-40%, a 16-step mean
+    # much less). A drift that adds about the measured error again by the last step, still under
+    # tol, fails it (a relative ramp 0 -> tol/4 over the steps gave ratios 1.8-2.8 in every case).
     for err in (out_err, state_err):
-        assert err[-16:].max() <= 4 * err[:16].max() + tol / 10, (err[:16].max(), err[-16:].max())
+        assert err[-16:].mean() <= 1.5 * err[:16].mean(), (err[:16].mean(), err[-16:].mean())
     if fold_policy == "lazy":
         assert 0 < folds < 3 * steps, "lazy policy should fold sometimes, not every step"

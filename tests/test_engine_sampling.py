@@ -70,22 +70,21 @@ def models():
 
 @pytest.fixture(scope="module")
 def joint(models):
-    """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16] float64: one
-    jitted cache-free forward per continuation length (1 + 16 + 256 sequences), once per module."""
+    """P(t1, t2, t3 | PROMPT) of target-only sampling at TEMPERATURE, [16, 16, 16] float64, once per
+    module. One jitted cache-free forward of the 256 sequences PROMPT + (t1, t2) gives all three
+    factors (causal: position i's logits see only positions <= i): P(t1) at the last prompt
+    position, P(t2 | t1) one later, P(t3 | t1, t2) at the end."""
     target = models[0]
-    forward = jax.jit(
-        lambda seqs: target_mod.prefill_layers(
-            target, seqs, jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32), (), "ref"
-        )[0][:, -1]
-    )
+    seqs = jnp.asarray([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], jnp.int32)
 
-    def next_probs(prefixes):
-        logits = forward(jnp.asarray([PROMPT + list(p) for p in prefixes], jnp.int32))
-        return np.asarray(jax.nn.softmax(logits / TEMPERATURE, axis=-1), np.float64)
+    @jax.jit
+    def next_probs(seqs):
+        lengths = jnp.full((seqs.shape[0],), seqs.shape[1], jnp.int32)
+        logits = target_mod.prefill_layers(target, seqs, lengths, (), "ref")[0]
+        return jax.nn.softmax(logits[:, len(PROMPT) - 1 :] / TEMPERATURE, axis=-1)
 
-    p1 = next_probs([()])[0]
-    p2 = next_probs([(a,) for a in range(VOCAB)])
-    p3 = next_probs([(a, b) for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    probs = np.asarray(next_probs(seqs), np.float64).reshape(VOCAB, VOCAB, 3, VOCAB)
+    p1, p2, p3 = probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -136,13 +135,12 @@ def _bonus_from_p(right):
 def retrace():
     """Engines share compiled steps (one jit per configuration, cached by engine._jitted_step): a
     test that patches a function the step traces must trace it afresh, and must not leave its
-    patched step behind for later tests. Only the engine's step factories are cleared, so other
-    compiled functions (the module's forwards) stay."""
+    patched step behind for later tests. Only the step factory is cleared: the prefill traces none
+    of the patched functions (sampling.accept, sampling.sample_draft, planner.plan_lengths), so its
+    compiled programs are shared with the unpatched tests, as are the module's forwards."""
     engine_mod._jitted_step.cache_clear()
-    engine_mod._jitted_prefill.cache_clear()
     yield
     engine_mod._jitted_step.cache_clear()
-    engine_mod._jitted_prefill.cache_clear()
 
 
 def test_wrong_acceptance_fails_the_same_test(models, joint, monkeypatch, retrace):
