@@ -204,7 +204,7 @@ def test_eos_and_stop_strings_end_a_request(model, prompts, reference):
 
 
 def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
-    from jaxspec.spec import calibration
+    from jaxspec.spec import calibration, estimator
 
     spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, refit_interval=5)
     engine = Engine(model, None, spec, proposer=OracleProposer(target=model, block_size=6), record_trace=True)
@@ -216,11 +216,14 @@ def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
     assert trace.features.shape[1] == 5 and np.all(trace.verified == 5)
     assert not host - collections.Counter(trace.accepted.tolist())
     assert len(trace.accepted) <= sum(host.values()) + len(prompts)
-    report = calibration.evaluate(calibration.load_trace(tmp_path / "trace.npz"))
-    assert report["samples"] == int(trace.verified.sum())
+    # replayed with no refit inside the trace (first_refit 0: the first refit would be at call
+    # 100), so the estimator's coefficients are the same for every row
+    fixed = estimator.init(trace.features.shape[1], first_refit=0)
+    report = calibration.evaluate(calibration.load_trace(tmp_path / "trace.npz"), fixed)
+    assert report["samples"] == int(trace.verified.sum()) and report["refits"] == 0
     # The oracle's drafts are one-hot logits, so every feature of the trace is the same value
-    # (measured: 23.76 everywhere) and the only signal is the position: both the estimator and the
-    # prod-q_max baseline rank a sample by its position alone (survival falls with the position).
+    # (measured: 23.76 everywhere) and the only signal is the position: both the fixed estimator and
+    # the prod-q_max baseline rank a sample by its position alone (survival falls with the position).
     # Their AUC is then exactly the AUC of "earlier position = more likely accepted", computed here
     # from the trace's own labels (Mann-Whitney over all (accepted, rejected) pairs, ties half).
     # Measured: 0.7574 for all three (40 rows, 200 samples). A report that mislabels samples, or an
