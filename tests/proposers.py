@@ -52,15 +52,16 @@ class OracleProposer:
         return _corrupted_logits(drafts, slots, ctx_len, self.target.config.vocab_size), history
 
 
-def _corrupted_logits(drafts, slots, ctx_len, vocab):
+def _corrupted_logits(drafts, slots, ctx_len, vocab, scale=30.0):
     """Draft logits of the greedy drafts [S, B-1] with one random position corrupted, or none
-    (randomness from (slot, context length)): every accepted length 0..B-1 becomes likely."""
+    (randomness from (slot, context length)): every accepted length 0..B-1 becomes likely.
+    The drafted token's logit is `scale`, every other one 0."""
     block = drafts.shape[1] + 1
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), s), n))(slots, ctx_len)
     where = jax.vmap(lambda k: jax.random.randint(k, (), 0, block))(keys)  # block-1 = none
     bad = (drafts + 1 + jnp.arange(block - 1)[None, :]) % vocab
     drafts = jnp.where(jnp.arange(block - 1)[None, :] == where[:, None], bad, drafts)
-    return jax.nn.one_hot(drafts, vocab) * 30.0
+    return jax.nn.one_hot(drafts, vocab) * scale
 
 
 @struct.dataclass
@@ -71,12 +72,14 @@ class LookupProposer:
     their prefixes. The same position is corrupted as OracleProposer corrupts (same randomness).
     A context that matches no sequence (a sampled continuation, a run past the reference) gets
     the chain chain[anchor], chain[chain[anchor]], ... (`chain` [vocab]: the target's greedy next
-    token after each token alone), or token 0 without one."""
+    token after each token alone), or token 0 without one. The drafted token's logit is `scale`
+    (OracleProposer's 30 by default), every other one 0."""
 
     sequences: jax.Array
     vocab_size: int = struct.field(pytree_node=False)
     block_size: int = struct.field(pytree_node=False)
     chain: jax.Array | None = None
+    scale: float = struct.field(pytree_node=False, default=30.0)
     taps = ()
 
     init_state = OracleProposer.init_state
@@ -98,10 +101,10 @@ class LookupProposer:
             tok = jnp.zeros_like(tok) if self.chain is None else self.chain[tok]
             fallback.append(tok)
         drafts = jnp.where(jnp.any(match, axis=1)[:, None], jnp.maximum(drafts, 0), jnp.stack(fallback, axis=1))
-        return _corrupted_logits(drafts, slots, ctx_len, self.vocab_size), history
+        return _corrupted_logits(drafts, slots, ctx_len, self.vocab_size, self.scale), history
 
 
-def lookup_proposer(target, prompts, continuations, block_size, chain=False):
+def lookup_proposer(target, prompts, continuations, block_size, chain=False, scale=30.0):
     """A LookupProposer over prompts [list of ids] and their greedy continuations (lists of ids);
     chain=True computes its fallback chain (one jitted cache-free forward of every token)."""
     sequences = [list(p) + list(c) for p, c in zip(prompts, continuations)]
@@ -115,7 +118,7 @@ def lookup_proposer(target, prompts, continuations, block_size, chain=False):
             lambda ids: target_mod.prefill_layers(target, ids, jnp.ones((vocab,), jnp.int32), (), "ref")[0]
         )
         nexts = jnp.argmax(forward(jnp.arange(vocab)[:, None])[:, 0], -1).astype(jnp.int32)
-    return LookupProposer(jnp.asarray(table), vocab, block_size, nexts)
+    return LookupProposer(jnp.asarray(table), vocab, block_size, nexts, scale)
 
 
 def random_draft(model, block_size, seed=0, taps=(1, 3)):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from proposers import OracleProposer, random_draft
+from proposers import lookup_proposer, random_draft
 
 import jaxspec
 from jaxspec import cache as cache_mod
@@ -113,27 +113,50 @@ def prompts():
 
 def test_modes_agree_and_greedy_is_lossless(model, prompts):
     """Greedy output of every mode equals mode none; cap-accept and compact emit identical tokens
-    under seeded sampling; compact uses partial tiers; the step compiles once per tier."""
+    and per-step verified / accepted lengths under seeded sampling, with drafts accepted and
+    rejected; compact uses partial tiers; the step compiles once per tier."""
     block, slots = 6, 3
     spec = lambda mode: SpecConfig(
         verify_mode=mode, num_slots=slots, max_len=96, warmup_refits=0, refit_interval=4, lag=1
     )
-    reference = [r.tokens for r in Engine(model, None, spec("none")).generate(prompts, max_new_tokens=20)]
-    oracle = OracleProposer(target=model, block_size=block)
+    # the greedy reference, `block` tokens longer so that every block drafted is known
+    reference = [r.tokens for r in Engine(model, None, spec("none")).generate(prompts, max_new_tokens=20 + block)]
+    # OracleProposer's drafts (the greedy continuation, one random position wrong) looked up instead
+    # of recomputed by 5 model passes a step; contexts off the reference get the chain of greedy next
+    # tokens. Drafted logit 8, not 30: the estimator's feature logit(q_max) = 8 - log(511) = 1.8 sits
+    # in its prior's range, so its trust-region refits learn the accept lengths within the run and
+    # compact plans partial windows (at 30, x = 24, every survival stayed > 0.98 through the greedy
+    # run and every step verified the whole block). Sampled rows still draft the looked-up token:
+    # q = 0.98 at temperature 0.8.
+    oracle = lookup_proposer(model, prompts, reference, block, chain=True, scale=8.0)
+    reference = [tokens[:20] for tokens in reference]
+    # sampled runs: 0.8 (a flat target: drafts off the reference, nearly all rejected); 0.05 (the
+    # output follows the greedy reference for a few tokens, where drafts are accepted with the
+    # target's probability of the draft); top_k=1 (the sampling rule with a one-token target: the
+    # output is the greedy reference, every context is on it and every accept length occurs)
+    runs = [{"temperature": 0.8}, {"temperature": 0.05}, {"temperature": 0.8, "top_k": 1}]
     sampled = {}
-    jax.clear_caches()  # engines share compiled steps: count from zero
     for mode in ("cap-accept", "compact"):
         engine = Engine(model, None, spec(mode), proposer=oracle, cost_table=_cost_table(slots, block))
+        before = engine._step._cache_size()  # engines share compiled steps: count this one's
         greedy = engine.generate(prompts, max_new_tokens=20)
         assert [r.tokens for r in greedy] == reference, mode
         verified = [v for r in greedy for v in r.stats["verified"]]
         assert min(verified) < block - 1 == max(verified), (mode, sorted(set(verified)))
-        sampled[mode] = [
-            r.tokens for r in engine.generate(prompts, max_new_tokens=20, temperature=0.8, seed=[1, 2, 3, 4, 5])
-        ]
+        sampled[mode] = []
+        for run in runs:
+            results = engine.generate(prompts, max_new_tokens=20, seed=[1, 2, 3, 4, 5], **run)
+            sampled[mode].append([(r.tokens, r.stats["verified"], r.stats["accepted"]) for r in results])
         assert len(engine.tier_counts) > 1, dict(engine.tier_counts)
-        assert engine._step._cache_size() <= 2 * len(engine.tier_tokens)  # greedy and sampling variants
+        assert engine._step._cache_size() - before <= 2 * len(engine.tier_tokens)  # greedy and sampling variants
     assert sampled["cap-accept"] == sampled["compact"]
+    low, one_token = sampled["compact"][1], sampled["compact"][2]
+    assert any(a > 0 for _, _, accepted in low for a in accepted), "no draft accepted at temperature 0.05"
+    assert [tokens for tokens, _, _ in one_token] == reference, "top_k=1 sampling is not the greedy output"
+    steps = [(v, a) for _, verified, accepted in one_token for v, a in zip(verified, accepted)]
+    assert {a for _, a in steps} >= {0, 1, 2, 3}, sorted(set(steps))
+    # some step accepted all of a partial window: cap-accept had to cap its acceptance there
+    assert any(0 < a == v < block - 1 for v, a in steps), sorted(set(steps))
 
 
 def test_compact_with_a_random_draft_matches_none(model, prompts):
@@ -149,11 +172,13 @@ def test_profile_and_decoding_share_the_compiled_steps(model, prompts):
     """Forced acceptance is a traced flag: profiling compiles each tier once and greedy decoding
     then reuses those steps (no second compilation per tier)."""
     spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=128, warmup_refits=0, refit_interval=4)
-    jax.clear_caches()  # engines share compiled steps: count from zero
     engine = Engine(model, random_draft(model, 4), spec)
+    # engines share compiled steps: count this engine's compilations as its step cache's growth
+    # (no other test compiles this step at max_len 128: it starts without them)
+    before = engine._step._cache_size()
     table = engine.profile([2], repeats=2)
-    profiled = engine._step._cache_size()
+    profiled = engine._step._cache_size() - before
     assert profiled == len([t for t in engine.tier_tokens if t >= 2]) and len(table) == profiled
     engine.cost_table = table
     engine.generate(prompts[:2], max_new_tokens=12)
-    assert engine._step._cache_size() == profiled, "decoding recompiled a profiled tier"
+    assert engine._step._cache_size() - before == profiled, "decoding recompiled a profiled tier"
