@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
 
 demo: venv
 	$(VENV)/bin/jaxspec generate --block-size 8 --warmup --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
