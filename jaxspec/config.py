@@ -655,7 +655,7 @@ class SpecConfig:
         the host never waits for the step in flight).
     num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
     refit_interval, first_refit: the estimator refits at steps first_refit * 2^j below
-        refit_interval (8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
+        refit_interval (4, 8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
         first_refit 0: only the multiples of refit_interval).
     warmup_refits: the steps before the estimator's warmup_refits-th refit verify full blocks, so
         the estimator does not learn only from its own trimmed windows.
@@ -678,8 +678,8 @@ class SpecConfig:
     lag: int = 2
     num_tiers: int = 4
     refit_interval: int = 100
-    first_refit: int = 8
-    warmup_refits: int = 3
+    first_refit: int = 4
+    warmup_refits: int = 4
     prefill_rows: int | None = None
     simulated_acceptance: SimulatedAcceptance | None = None
 

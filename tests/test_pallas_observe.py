@@ -69,7 +69,7 @@ def test_trust_region_matches_reference():
     and the learnt acceptance moves towards the data over a few refits without blowing up."""
     rng = np.random.default_rng(21)
     positions, batch = 7, 32
-    ref = got = est.init(positions, refit_interval=5)
+    ref = got = est.init(positions, refit_interval=5, first_refit=0)  # first refit at call 5
     step = kernel(None, True, poison=False)
     for i in range(30):
         x = rng.normal(-8.4, 0.25, (batch, positions)).astype(np.float32)
@@ -136,13 +136,13 @@ def test_poisoned_batch_keeps_coefficients_finite():
 
 
 def test_tracks_reference_over_many_refits():
-    """250 steps of logistic data, refits at calls 8 and 16 (early) then every 25: the two paths end
+    """250 steps of logistic data, refits at calls 4, 8 and 16 (early) then every 25: the two paths end
     with the same coefficients."""
     rng = np.random.default_rng(11)
     positions, batch = 7, 48
     true_b = np.linspace(1.5, -0.5, positions)
     ref = got = est.init(positions, refit_interval=25)
-    assert ref.early_refits == (8, 16)
+    assert ref.early_refits == (4, 8, 16)
     step = kernel(None, True, poison=False)
     for _ in range(250):
         x = rng.standard_normal((batch, positions)).astype(np.float32) * 2

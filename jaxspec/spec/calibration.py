@@ -483,8 +483,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--first-refit",
         type=non_negative_int("--first-refit"),
-        default=8,
-        help="early refits at calls F, 2F, 4F, ... below --refit-interval (0: none; the engine's default: 8)",
+        default=4,
+        help="early refits at calls F, 2F, 4F, ... below --refit-interval (0: none; the engine's default: 4)",
     )
     parser.add_argument(
         "--cost-table",

@@ -11,7 +11,7 @@ Everything is a pure function over a device-resident `EstimatorState` pytree, so
 inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
 evaluated at the current coefficients, and at the calls of its refit schedule it takes one damped
 Newton step, selected on the device call counter: early refits at calls ``first_refit * 2^j`` below
-``refit_interval`` (8, 16, 32, 64 by default: calibrated within the first ~50 steps), then every
+``refit_interval`` (4, 8, 16, 32, 64 by default: calibrated within the first ~50 steps), then every
 ``refit_interval`` calls (`refit_calls`). The selection is branch-free (the step is
 computed every call and kept only when due, `jnp.where`): an XLA GPU conditional copies its
 predicate to the host and waits, which costs more per step than computing the refit every time
@@ -102,7 +102,7 @@ def _early_refits(first_refit: int, refit_interval: int) -> tuple[int, ...]:
     return tuple(calls)
 
 
-def refit_calls(count: int, *, refit_interval: int = 100, first_refit: int = 8) -> list[int]:
+def refit_calls(count: int, *, refit_interval: int = 100, first_refit: int = 4) -> list[int]:
     """The first `count` values of the call counter (1-based, after the call) at which `observe`
     refits, for an estimator made by init(..., refit_interval, first_refit)."""
     early = list(_early_refits(first_refit, refit_interval))
@@ -129,7 +129,7 @@ def init(
     slope: float = 0.5,
     intercept: float | Sequence[float] = -0.2,
     refit_interval: int = 100,
-    first_refit: int = 8,
+    first_refit: int = 4,
     ridge: float = 1e-3,
     damping: float = 50.0,
 ) -> EstimatorState:
