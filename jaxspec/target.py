@@ -229,7 +229,8 @@ def _group_layout(cfg, period):
 
 def _tap_writer(taps, num_layers, period):
     """(n_taps, write): write(hidden, x, g, j) sets row r of hidden [n_taps + 1, ...] to x when
-    layer g*P + j is the r-th tapped layer (taps in layer order) and the spare last row otherwise;
+    layer g*P + j is the r-th tapped layer (taps in layer order). With g an int (the per-layer
+    loop) other layers write nothing; with g traced (the scan) they write the spare last row, and
     positions j that no group taps write nothing."""
     taps = sorted(set(taps))
     row_of_layer = np.full(num_layers, len(taps), np.int32)
@@ -239,6 +240,9 @@ def _tap_writer(taps, num_layers, period):
     def write(hidden, x, g, j):
         if j not in tapped_positions:
             return hidden
+        if isinstance(g, int):
+            row = int(row_of_layer[g * period + j])
+            return hidden if row == len(taps) else hidden.at[row].set(x.astype(hidden.dtype))
         row = jnp.asarray(row_of_layer)[g * period + j]
         return jax.lax.dynamic_update_index_in_dim(hidden, x.astype(hidden.dtype), row, 0)
 
