@@ -94,6 +94,12 @@ def _parser():
         help="verify window (anchor + block_size - 1 drafts; default: the draft's block)",
     )
     gen.add_argument(
+        "--trim-draft",
+        action="store_true",
+        help="run the draft's forward over the verify window only, not its whole block "
+        "(cheaper when --block-size is below the draft's block; the drafts change: SpecConfig.trim_draft)",
+    )
+    gen.add_argument(
         "--warmup",
         action="store_true",
         help="decode the prompts once first, so tokens/s "
@@ -416,6 +422,7 @@ def _generate(args, parser):
             num_slots=args.num_slots,
             max_len=args.max_len,
             block_size=args.block_size if mode != "none" else None,
+            trim_draft=args.trim_draft and mode != "none",
         )
         engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
         _check_lengths(parser, args, prompts, engine.window)
@@ -461,10 +468,21 @@ def _generate(args, parser):
             same = "the same tokens" if base.tokens == r.tokens else "different tokens"
             print(
                 f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
-                f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x]",
+                f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x "
+                f"on {_device_name()}]",
                 file=sys.stderr,
             )
     return 1 if failed else 0
+
+
+def _device_name() -> str:
+    """The device decoding ran on, for a printed speed: its kind (a GPU's name), and the CPU's core count."""
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return f"the CPU ({os.cpu_count()} cores)"
+    return device.device_kind
 
 
 def _profile(args, parser):

@@ -649,6 +649,10 @@ class SpecConfig:
     num_slots, max_len: concurrent requests and tokens per request (prompt + generation).
     block_size: verify window of static mode (anchor + block_size - 1 drafts); None = the
         draft's block size.
+    trim_draft: False: the draft's forward runs its own block and the window reads its first
+        block_size - 1 drafts; True: the forward runs only [anchor, MASK x (block_size - 1)]
+        (block_size / the draft's block of its cost; the drafts change, since their bidirectional
+        attention sees fewer masks than in training; the DFlash proposer only).
     ring_len, fold_policy, state_dtype, ring_dtype: the GDN state (see CacheConfig).
     max_top_k: the static top-k bound of the target distribution for sampled requests.
     lag: steps between the survivals the host plans a budget with and the step it plans (>= 1:
@@ -670,6 +674,7 @@ class SpecConfig:
     num_slots: int = 8
     max_len: int = 1024
     block_size: int | None = None
+    trim_draft: bool = False
     ring_len: int = 16
     fold_policy: str = "every"
     state_dtype: str = "float32"
@@ -694,6 +699,8 @@ class SpecConfig:
                 raise bad(field, "must be a positive int")
         if self.block_size is not None and (not _is_int(self.block_size) or not 2 <= self.block_size <= 64):
             raise bad("block_size", "must be None or an int in 2..64")
+        if not isinstance(self.trim_draft, bool):
+            raise bad("trim_draft", "must be a bool")
         for field in ("lag", "num_tiers", "refit_interval"):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "must be an int >= 1")

@@ -203,15 +203,19 @@ def key_values(a, c, x, positions):
     return k, dense(x, a["v"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
 
 
-def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx_len, *, impl="auto"):
+def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx_len, *, block_size=None, impl="auto"):
     """Draft logits for one block per request.
 
     anchors [B] int32 (the last emitted token, at position ctx_len), slots [B], ctx_len [B] (the
-    slot's committed tokens = target seq_len) -> (logits [B, block_size - 1, vocab] float32 for the
+    slot's committed tokens = target seq_len) -> (logits [B, blk - 1, vocab] float32 for the
     positions after the anchor, state with the block's K/V written past each slot's context).
+    block_size: None (the draft's own block) or a shorter static blk: the forward then runs
+    [anchor, MASK x (blk - 1)] only, so its mask positions attend to fewer masks than in training.
     """
     p, c = draft.params, draft.config
-    blk = c.block_size
+    blk = c.block_size if block_size is None else block_size
+    if not 2 <= blk <= c.block_size:
+        raise ValueError(f"block_size: {blk} is not in 2..{c.block_size} (the draft's block)")
     tokens = jnp.concatenate(
         [anchors[:, None], jnp.full((anchors.shape[0], blk - 1), c.mask_token_id, anchors.dtype)], 1
     )

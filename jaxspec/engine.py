@@ -410,6 +410,10 @@ class Engine:
             window = spec.block_size or proposer.block_size
             if window > proposer.block_size:
                 raise ValueError(f"SpecConfig.block_size={window}: the draft proposes blocks of {proposer.block_size}")
+            if spec.trim_draft and window < proposer.block_size:
+                if not isinstance(proposer, DFlashProposer):
+                    raise ValueError("SpecConfig.trim_draft=True: only the DFlash proposer can run a shorter block")
+                proposer = proposer.replace(forward_block=window)
         self.target, self.proposer, self.spec, self.window = target, proposer, spec, window
         self.tokenizer = tokenizer
         self.cost_table = CostTable.load(cost_table) if isinstance(cost_table, str) else cost_table

@@ -8,7 +8,8 @@ A proposer is a static object whose device state is a pytree carried in the engi
     observe(state, tokens [R], hidden [R, n_taps, d], positions [R], slots [R], valid [R]) -> state
                               committed tokens enter its context (rows with valid False or slot 0
                               are ignored)
-    propose(state, anchors [B], slots [B], ctx_len [B]) -> (logits [B, B_blk - 1, vocab] float32, state)
+    propose(state, anchors [B], slots [B], ctx_len [B]) -> (logits [B, n, vocab] float32, state)
+                              n >= window - 1 (usually B - 1): the engine reads the first window - 1
                               drafts are drawn from these logits by the engine; the returned state
                               is what the step carries on (a draft may keep scratch in it, e.g. its
                               block's K/V past the context, which later observes overwrite)
@@ -27,11 +28,15 @@ from jaxspec.target import Target
 
 @struct.dataclass
 class DFlashProposer:
-    """DFlash block diffusion: one parallel forward over [anchor, MASK x (B-1)]."""
+    """DFlash block diffusion: one parallel forward over [anchor, MASK x (B-1)].
+
+    forward_block: None (B = the draft's block) or a shorter B (`SpecConfig.trim_draft`): the
+    forward runs only the positions a shorter verify window reads."""
 
     draft: Draft
     target: Target
     impl: str = struct.field(pytree_node=False, default="auto")
+    forward_block: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def taps(self):
@@ -48,4 +53,6 @@ class DFlashProposer:
         return dflash.write_context(self.draft, state, hidden, positions, slots, valid)
 
     def propose(self, state, anchors, slots, ctx_len):
-        return dflash.propose(self.draft, self.target, state, anchors, slots, ctx_len, impl=self.impl)
+        return dflash.propose(
+            self.draft, self.target, state, anchors, slots, ctx_len, block_size=self.forward_block, impl=self.impl
+        )

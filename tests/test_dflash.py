@@ -15,17 +15,19 @@ from jaxspec.config import DraftConfig
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
 
 
-def _np_draft_logits(draft, target, ctx_hidden, anchor, ctx_len, window):
-    """One request, float64: ctx_hidden [ctx_len, n_taps, d] -> logits [B-1, vocab]."""
+def _np_draft_logits(draft, target, ctx_hidden, anchor, ctx_len, window, block=None):
+    """One request, float64: ctx_hidden [ctx_len, n_taps, d] -> logits [blk-1, vocab] of the block
+    [anchor, MASK x (blk-1)], blk = block or the draft's own."""
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), draft.params)
     c = draft.config
+    blk = block or c.block_size
     norm = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c.rms_norm_eps) * w
     ctx = norm(ctx_hidden.reshape(ctx_len, -1) @ p["fc"], p["hidden_norm"])
     lo = max(0, ctx_len - window) if window else 0
     emb = np.asarray(target.params["embed"], np.float64)
-    x = emb[[anchor] + [c.mask_token_id] * (c.block_size - 1)]
+    x = emb[[anchor] + [c.mask_token_id] * (blk - 1)]
     ctx_pos = np.arange(ctx_len)
-    blk_pos = ctx_len + np.arange(c.block_size)
+    blk_pos = ctx_len + np.arange(blk)
     H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     for layer in p["layers"]:
         a = layer["attn"]
@@ -50,10 +52,11 @@ def _np_draft_logits(draft, target, ctx_hidden, anchor, ctx_len, window):
 
 
 @pytest.mark.parametrize("impl", ["ref", "pallas"])
+@pytest.mark.parametrize("block", [None, 3], ids=["own-block", "trimmed3"])
 @pytest.mark.parametrize("window", [0, 5], ids=["full-context", "window5"])
-def test_propose_matches_uncached_float64_forward(window, impl):
+def test_propose_matches_uncached_float64_forward(window, block, impl):
     """propose against the float64 forward; 'pallas' runs the block attention through the verify
-    kernel (interpret mode here)."""
+    kernel (interpret mode here); block 3: the forward of a trimmed block (SpecConfig.trim_draft)."""
     target = jaxspec.load_target(FIXTURE)
     config = DraftConfig(
         hidden_size=64,
@@ -90,11 +93,18 @@ def test_propose_matches_uncached_float64_forward(window, impl):
         )
     anchors = np.array([7, 300], np.int32)
     logits, _ = dflash.propose(
-        draft, target, state, jnp.asarray(anchors), jnp.asarray(slots), jnp.asarray(ctx_lens), impl=impl
+        draft,
+        target,
+        state,
+        jnp.asarray(anchors),
+        jnp.asarray(slots),
+        jnp.asarray(ctx_lens),
+        block_size=block,
+        impl=impl,
     )
-    assert logits.shape == (2, 4, 512)
+    assert logits.shape == (2, (block or 5) - 1, 512)
     for r in range(2):
-        want = _np_draft_logits(draft, target, hidden[r, : ctx_lens[r]], anchors[r], ctx_lens[r], window)
+        want = _np_draft_logits(draft, target, hidden[r, : ctx_lens[r]], anchors[r], ctx_lens[r], window, block)
         oracle.assert_close(np.asarray(logits[r]), want, 1e-5, f"request {r}")
 
 

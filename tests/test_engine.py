@@ -73,6 +73,27 @@ def test_engines_with_one_configuration_share_compiled_steps(model, prompts, ref
     assert other._step is not first._step, "a different verify window must not share the step"
 
 
+def test_trimmed_draft_block_is_lossless_and_drafts_differently(model, prompts, reference):
+    """SpecConfig.trim_draft: a block-8 draft verified in windows of 4 runs a 4-position forward;
+    decoding stays the target's greedy output, and the drafts' features differ from the untrimmed
+    forward's (the trim reaches the draft)."""
+    draft = random_draft(model, 8)
+    features = {}
+    for trim in (False, True):
+        spec = SpecConfig(verify_mode="static", num_slots=4, max_len=96, block_size=4, trim_draft=trim)
+        engine = Engine(model, draft, spec, record_trace=True)
+        assert engine.proposer.forward_block == (4 if trim else None)
+        results = engine.generate(prompts[:4], max_new_tokens=MAX_NEW)
+        assert [r.tokens for r in results] == reference[:4], f"trim_draft={trim}"
+        features[trim] = engine.recorder.trace().features
+    assert features[True].shape == features[False].shape
+    assert not np.allclose(features[True], features[False], atol=1e-3)
+    with pytest.raises(ValueError, match="trim_draft"):
+        Engine(model, None, spec, proposer=OracleProposer(target=model, block_size=8))
+    with pytest.raises(ValueError, match="trim_draft"):
+        SpecConfig(trim_draft=1)
+
+
 @pytest.fixture(scope="module")
 def oracle_drafts(model, prompts, reference):
     """A LookupProposer of blocks of 8 over the greedy continuations (mode none, one request at a

@@ -17,17 +17,23 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _attend(q, k, v, mask):
-    """q [B, T, Hq, D]; k, v [B, S, KVH, D]; mask [B, T, S] -> [B, T, Hq, D] float32 (0 where no key)."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = (jnp.repeat(x.astype(jnp.float32), rep, axis=2) for x in (k, v))
-    scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k, precision=HIGHEST) * q.shape[-1] ** -0.5
-    mask = mask[:, None]
+    """q [B, T, Hq, D]; k, v [B, S, KVH, D]; mask [B, T, S] -> [B, T, Hq, D] float32 (0 where no key).
+
+    Query heads are grouped by their kv head ([B, T, KVH, Hq / KVH, D]) rather than the keys
+    repeated per query head: on the CPU the repeat and the transposes it forces cost more than the
+    attention's arithmetic (2-2.6x the grouped form at 512 keys)."""
+    b, t, hq, d = q.shape
+    kvh = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, kvh, hq // kvh, d)
+    scores = jnp.einsum("btgrd,bsgd->btgrs", qg, k.astype(jnp.float32), precision=HIGHEST) * d**-0.5
+    mask = mask[:, :, None, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     probs = jnp.exp(scores - jnp.max(jnp.where(mask, scores, 0.0), axis=-1, keepdims=True))
     probs = jnp.where(mask, probs, 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("bhts,bshd->bthd", probs, v, precision=HIGHEST)
+    o = jnp.einsum("btgrs,bsgd->btgrd", probs, v.astype(jnp.float32), precision=HIGHEST)
+    return o.reshape(b, t, hq, d)
 
 
 def attention_prefill(q, k, v, lengths, *, impl="auto"):
