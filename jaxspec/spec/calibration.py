@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.config import FIRST_REFIT
 from jaxspec.spec import estimator as est
 
 __all__ = [
@@ -490,8 +491,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--first-refit",
         type=non_negative_int("--first-refit"),
-        default=4,
-        help="early refits at calls F, 2F, 4F, ... below --refit-interval (0: none; the engine's default: 4)",
+        default=FIRST_REFIT,
+        help="early refits at calls F, 2F, 4F, ... below --refit-interval "
+        f"(0: none; the engine's default: {FIRST_REFIT})",
     )
     parser.add_argument(
         "--cost-table",
