@@ -515,6 +515,7 @@ class CacheConfig:
 
 
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
+FIRST_REFIT = 4  # the estimator's first early refit call (`estimator.refit_calls`), by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -683,7 +684,7 @@ class SpecConfig:
     lag: int = 2
     num_tiers: int = 4
     refit_interval: int = 100
-    first_refit: int = 4
+    first_refit: int = FIRST_REFIT
     warmup_refits: int = 4
     prefill_rows: int | None = None
     simulated_acceptance: SimulatedAcceptance | None = None

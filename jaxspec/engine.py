@@ -876,7 +876,7 @@ class Engine:
                 out.copy_to_host_async()
         self._history.append((rows, survival))
         if self.recorder is not None:
-            self.recorder.add(features, verified, accepted, temperature)
+            self.recorder.add(features, verified, accepted, temperature, [-1 if r is None else r.id for r in rows])
         return rows, emitted, accepted, verified, used if tier is None else tier
 
     def _read(self, in_flight):

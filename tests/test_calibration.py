@@ -131,17 +131,21 @@ def test_trace_round_trip(tmp_path):
     rng = np.random.default_rng(3)
     t = synthetic_trace(rng, 50, 1.0, [0.3, 0.1, -0.2, -0.5], temperature=True)
     path = tmp_path / "trace"  # no suffix: written exactly there
-    cal.save_trace(path, t.features, t.verified, t.accepted, t.temperature, step=np.arange(50) // 7)
+    request = np.arange(50) % 3 + 10
+    cal.save_trace(path, t.features, t.verified, t.accepted, t.temperature, step=np.arange(50) // 7, request=request)
     back = cal.load_trace(path)
     np.testing.assert_array_equal(back.features, t.features)
     np.testing.assert_array_equal(back.verified, t.verified)
     np.testing.assert_array_equal(back.accepted, t.accepted)
     np.testing.assert_array_equal(back.temperature, t.temperature)
     np.testing.assert_array_equal(back.step, np.arange(50) // 7)
-    assert back.features.dtype == np.float32 and back.verified.dtype == np.int32
+    np.testing.assert_array_equal(back.request, request)
+    assert back.features.dtype == np.float32 and back.verified.dtype == np.int32 and back.request.dtype == np.int64
     cal.save_trace(tmp_path / "plain.npz", t.features, t.verified, t.accepted)
     plain = cal.load_trace(tmp_path / "plain.npz")
-    assert plain.temperature is None and plain.step is None
+    assert plain.temperature is None and plain.step is None and plain.request is None
+    with pytest.raises(ValueError, match="request"):
+        cal.Trace(t.features, t.verified, t.accepted, request=request[:-1])
     with pytest.raises(ValueError, match="accepted"):
         cal.Trace(t.features, t.verified, t.verified + 1)
     with pytest.raises(ValueError, match="verified"):
@@ -155,11 +159,16 @@ def test_recorder_keeps_device_arrays_and_drops_idle_rows(tmp_path):
         x = jnp.asarray(rng.normal(0, 1, (4, 3)), jnp.float32)
         ver = jnp.asarray([3, 0, 2, 3], jnp.int32)  # slot 1 idle
         acc = jnp.asarray([1, 0, 2, 3], jnp.int32)
-        rec.add(x, ver, acc, jnp.asarray([0.0, 0.0, 1.0, 1.0]))
+        rec.add(x, ver, acc, jnp.asarray([0.0, 0.0, 1.0, 1.0]), [5, -1, 6, 7])
     t = rec.save(tmp_path / "rec.npz")
     assert t.num_rows == 9 and len(rec) == 3
     np.testing.assert_array_equal(t.step, np.repeat(np.arange(3), 3))
-    np.testing.assert_array_equal(cal.load_trace(tmp_path / "rec.npz").verified, t.verified)
+    np.testing.assert_array_equal(t.request, np.tile([5, 6, 7], 3))  # the idle row's -1 is dropped with it
+    back = cal.load_trace(tmp_path / "rec.npz")
+    np.testing.assert_array_equal(back.verified, t.verified)
+    np.testing.assert_array_equal(back.request, t.request)
+    rec.add(x, ver, acc)  # a step without request ids: the trace has no request column
+    assert rec.trace().request is None and rec.trace().num_rows == 12
 
 
 # ------------------------------------------------------------------------------ plot and CLI

@@ -237,6 +237,13 @@ def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
     assert trace.features.shape[1] == 5 and np.all(trace.verified == 5)
     assert not host - collections.Counter(trace.accepted.tolist())
     assert len(trace.accepted) <= sum(host.values()) + len(prompts)
+    # each row names its request (8 requests through 4 slots, so a slot serves several): a request's
+    # rows, in step order, are its host steps plus at most the one in flight when it finished
+    assert set(trace.request.tolist()) == set(range(len(prompts)))
+    for i, r in enumerate(results):
+        rows = trace.accepted[trace.request == i].tolist()
+        assert rows[: len(r.stats["accepted"])] == r.stats["accepted"], i
+        assert len(rows) <= len(r.stats["accepted"]) + 1, i
     # replayed with no refit inside the trace (first_refit 0: the first refit would be at call
     # 100), so the estimator's coefficients are the same for every row
     fixed = estimator.init(trace.features.shape[1], first_refit=0)

@@ -4,6 +4,7 @@ solve, features against a float64 oracle, robustness to non-finite inputs, no ho
 determinism, and replicated state on a sharded batch (4 CPU devices, in a subprocess).
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.config import FIRST_REFIT, SpecConfig
 from jaxspec.ops import sampling
+from jaxspec.spec import calibration
 from jaxspec.spec import estimator as est
 
 # the two forms of the feature: from the logits, and from the engine's draft distribution
@@ -70,7 +73,7 @@ _refit = jax.jit(est.refit)
         (8, 8, [8, 16, 24, 32, 40, 48]),
         (3, 13, [3, 6, 12, 13, 26, 39]),
     ],
-    ids=["default", "early-then-20", "no-early", "first-is-interval", "odd"],
+    ids=["first-8", "early-then-20", "no-early", "first-is-interval", "odd"],
 )
 def test_refit_schedule(first_refit, interval, want):
     """refit_calls lists the schedule, and observe refits (resets its statistics) exactly there."""
@@ -148,6 +151,10 @@ def test_init_defaults_and_validation():
     assert s.num_positions == 7 and float(s.slope) == 0.5
     np.testing.assert_array_equal(np.asarray(s.intercepts), np.full(7, -0.2, np.float32))
     assert (s.refit_interval, s.ridge, s.damping) == (100, 1e-3, 50.0)
+    # one default first refit (config.FIRST_REFIT) for the estimator, its schedule, the engine and the CLI
+    cli = calibration.add_arguments(argparse.ArgumentParser()).parse_args(["trace.npz"])
+    assert FIRST_REFIT == SpecConfig().first_refit == cli.first_refit == 4
+    assert s.early_refits == (4, 8, 16, 32, 64) and est.refit_calls(6) == [4, 8, 16, 32, 64, 100]
     assert int(s.calls) == 0 and int(s.n) == 0
     s = est.init(3, intercept=[0.1, 0.2, 0.3])
     np.testing.assert_allclose(np.asarray(s.intercepts), [0.1, 0.2, 0.3], rtol=1e-6)

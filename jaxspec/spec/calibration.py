@@ -2,9 +2,10 @@
 
 A trace is one row per (request, decode step): the draft features x [S, P] the estimator saw,
 how many drafts were verified and how many accepted, and optionally the request's
-temperature and the step index (rows of one step form one `observe` call when replayed).
-Stored as an ``.npz`` with arrays ``features`` [S, P] float32, ``verified`` [S] int32,
-``accepted`` [S] int32 and optional ``temperature`` [S] float32, ``step`` [S] int64.
+temperature, the step index (rows of one step form one `observe` call when replayed) and the
+request id (rows of one request, in serving order, are its history). Stored as an ``.npz`` with
+arrays ``features`` [S, P] float32, ``verified`` [S] int32, ``accepted`` [S] int32 and optional
+``temperature`` [S] float32, ``step`` [S] int64, ``request`` [S] int64.
 
 `evaluate` replays the estimator online over the trace in order - predict the step's
 survivals, then observe its outcome, as in serving - and scores the predicted survival of
@@ -27,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.config import FIRST_REFIT
 from jaxspec.spec import estimator as est
 
 __all__ = [
     "Trace",
+    "OPTIONAL_COLUMNS",
     "TraceRecorder",
     "save_trace",
     "load_trace",
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 ECE_BINS = 10
+OPTIONAL_COLUMNS = ("temperature", "step", "request")  # trace arrays a file may leave out
 MIN_PLOT_BIN = 5  # bins with fewer samples are left out of the plot
 DEFAULT_BATCH_ROWS = 32  # rows per replayed observe call when the trace has no step index
 
@@ -57,6 +61,7 @@ class Trace:
     accepted: np.ndarray  # [S] int32
     temperature: np.ndarray | None = None  # [S] float32
     step: np.ndarray | None = None  # [S] int64, non-decreasing
+    request: np.ndarray | None = None  # [S] int64, the request id of each row
 
     def __post_init__(self):
         f = np.asarray(self.features, np.float32)
@@ -79,7 +84,8 @@ class Trace:
             st = _int_column("step", self.step, S, np.int64)
             if S > 1 and np.any(np.diff(st) < 0):
                 raise ValueError("trace step: must be non-decreasing (rows in serving order)")
-        for name, value in (("features", f), ("verified", v), ("accepted", a), ("temperature", t), ("step", st)):
+        req = None if self.request is None else _int_column("request", self.request, S, np.int64)
+        for name, value in zip(("features", "verified", "accepted", *OPTIONAL_COLUMNS), (f, v, a, t, st, req)):
             object.__setattr__(self, name, value)
 
     @property
@@ -101,14 +107,11 @@ def _int_column(name, value, rows, dtype=np.int32):
     return arr.astype(dtype)
 
 
-def save_trace(path, features, verified, accepted, temperature=None, *, step=None) -> Trace:
+def save_trace(path, features, verified, accepted, temperature=None, *, step=None, request=None) -> Trace:
     """Validate and write a trace ``.npz``; returns the `Trace`."""
-    trace = Trace(features, verified, accepted, temperature, step)
+    trace = Trace(features, verified, accepted, temperature, step, request)
     arrays = {"features": trace.features, "verified": trace.verified, "accepted": trace.accepted}
-    if trace.temperature is not None:
-        arrays["temperature"] = trace.temperature
-    if trace.step is not None:
-        arrays["step"] = trace.step
+    arrays.update((k, getattr(trace, k)) for k in OPTIONAL_COLUMNS if getattr(trace, k) is not None)
     with open(path, "wb") as fh:  # a file object: np.savez would append ".npz"
         np.savez_compressed(fh, **arrays)
     return trace
@@ -119,7 +122,7 @@ def load_trace(path) -> Trace:
         missing = [k for k in ("features", "verified", "accepted") if k not in data.files]
         if missing:
             raise ValueError(f"trace {path}: missing arrays {missing} (has {data.files})")
-        opt = {k: data[k] for k in ("temperature", "step") if k in data.files}
+        opt = {k: data[k] for k in OPTIONAL_COLUMNS if k in data.files}
         return Trace(data["features"], data["verified"], data["accepted"], **opt)
 
 
@@ -128,14 +131,15 @@ class TraceRecorder:
 
     `add` keeps the (device) arrays as they are - nothing is copied to the host until `trace()`
     or `save()`, so recording does not synchronise the decode loop. Rows with
-    ``verified == 0`` (idle slots) are dropped when the trace is built.
+    ``verified == 0`` (idle slots) are dropped when the trace is built. ``request`` [B] (host
+    ints, one per row) names each row's request; the trace has the column when every step gave it.
     """
 
     def __init__(self):
-        self._steps: list[tuple[Any, Any, Any, Any]] = []
+        self._steps: list[tuple[Any, Any, Any, Any, Any]] = []
 
-    def add(self, features, verified, accepted, temperature=None):
-        self._steps.append((features, verified, accepted, temperature))
+    def add(self, features, verified, accepted, temperature=None, request=None):
+        self._steps.append((features, verified, accepted, temperature, request))
 
     def __len__(self):
         return len(self._steps)
@@ -143,9 +147,10 @@ class TraceRecorder:
     def trace(self) -> Trace:
         if not self._steps:
             raise ValueError("trace recorder: no steps were recorded")
-        feats, vers, accs, temps, steps = [], [], [], [], []
-        has_t = all(t is not None for *_, t in self._steps)
-        for i, (f, v, a, t) in enumerate(self._steps):
+        feats, vers, accs, temps, steps, reqs = [], [], [], [], [], []
+        has_t = all(t is not None for *_, t, _ in self._steps)
+        has_r = all(r is not None for *_, r in self._steps)
+        for i, (f, v, a, t, r) in enumerate(self._steps):
             f = np.asarray(f, np.float32)
             v = np.asarray(v).reshape(-1)
             a = np.asarray(a).reshape(-1)
@@ -155,6 +160,8 @@ class TraceRecorder:
             accs.append(a[keep])
             if has_t:
                 temps.append(np.broadcast_to(np.asarray(t, np.float32), v.shape)[keep])
+            if has_r:
+                reqs.append(np.asarray(r, np.int64).reshape(-1)[keep])
             steps.append(np.full(int(keep.sum()), i, np.int64))
         return Trace(
             np.concatenate(feats),
@@ -162,11 +169,12 @@ class TraceRecorder:
             np.concatenate(accs),
             np.concatenate(temps) if has_t else None,
             np.concatenate(steps),
+            np.concatenate(reqs) if has_r else None,
         )
 
     def save(self, path) -> Trace:
         t = self.trace()
-        return save_trace(path, t.features, t.verified, t.accepted, t.temperature, step=t.step)
+        return save_trace(path, t.features, t.verified, t.accepted, t.temperature, step=t.step, request=t.request)
 
 
 # ----------------------------------------------------------------------------------- metrics
@@ -483,8 +491,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--first-refit",
         type=non_negative_int("--first-refit"),
-        default=4,
-        help="early refits at calls F, 2F, 4F, ... below --refit-interval (0: none; the engine's default: 4)",
+        default=FIRST_REFIT,
+        help="early refits at calls F, 2F, 4F, ... below --refit-interval "
+        f"(0: none; the engine's default: {FIRST_REFIT})",
     )
     parser.add_argument(
         "--cost-table",

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.config import FIRST_REFIT
 from jaxspec.ops import sampling
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import observe as pallas_observe
@@ -102,7 +103,7 @@ def _early_refits(first_refit: int, refit_interval: int) -> tuple[int, ...]:
     return tuple(calls)
 
 
-def refit_calls(count: int, *, refit_interval: int = 100, first_refit: int = 4) -> list[int]:
+def refit_calls(count: int, *, refit_interval: int = 100, first_refit: int = FIRST_REFIT) -> list[int]:
     """The first `count` values of the call counter (1-based, after the call) at which `observe`
     refits, for an estimator made by init(..., refit_interval, first_refit)."""
     early = list(_early_refits(first_refit, refit_interval))
@@ -129,7 +130,7 @@ def init(
     slope: float = 0.5,
     intercept: float | Sequence[float] = -0.2,
     refit_interval: int = 100,
-    first_refit: int = 4,
+    first_refit: int = FIRST_REFIT,
     ridge: float = 1e-3,
     damping: float = 50.0,
 ) -> EstimatorState:
