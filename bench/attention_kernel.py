@@ -162,6 +162,11 @@ def main(args):
     def over_budget():
         return time.time() - t_start > args.budget_s
 
+    def num_splits(B, M, config=None):
+        """The kernel's key splits for B requests over a cache of M positions (its launch plan)."""
+        config = config or pav.AttentionVerifyConfig()
+        return config.resolve_call((B * T, Hq, D), (B + 1, M, KVH, D), T, B, dt)["num_splits"]
+
     def timed(fn, *a, reps=None, inner=None, per_call=1):
         us, out = benchutil.median_us(fn, *a, reps=reps or args.reps, inner=inner or args.inner)
         return us / per_call, out
@@ -372,8 +377,7 @@ def main(args):
         try:
             sets, seq, qsl, slots = make_sets(B, ctx, n_sets, jax.random.key(B * 100003 + ctx))
             rest = (seq, qsl, slots)
-            rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
-            row["splits"] = pav.AttentionVerifyConfig().resolve(B, KVH, M, rows, D, dt)["num_splits"]
+            row["splits"] = num_splits(B, M)
             gpu, launch_gpu = {}, {}
             kus, out = run_multi(kernel_fn(), sets, rest, gpu=gpu)
             row.update(kernel_us=kus, floor_ratio=kus / row["floor_us"], gpu=gpu)
@@ -462,8 +466,7 @@ def main(args):
                 rec = dict(B=B, ctx=ctx, config=cfg)
                 try:
                     c = pav.AttentionVerifyConfig(**cfg)
-                    rows = pav._geometry((B * T, Hq, D), (B + 1, M, KVH, D), T)[1]
-                    rec["splits"] = c.resolve(B, KVH, M, rows, D, dt)["num_splits"]
+                    rec["splits"] = num_splits(B, M, c)
                     gpu = {}
                     kus, out = run_multi(kernel_fn(c), sets, rest, gpu=gpu if args.sweep_trace else None)
                     rec.update(kernel_us=kus, floor_ratio=kus / floor_us, err=err(out, base))

@@ -2,10 +2,10 @@
 
 (a) Planning, no model, at --plan-batches, block --block. Host: `planner.choose_budget` with a
   CostTable over the admissible budgets of `layout.tiers` plus `layout.tier_for`; the engine's
-  whole host path `Engine._choose_tier` (it reads the lagged survival back from the device); the
-  switch dispatch's `Engine._device_plan`. Device: `planner.plan_lengths` + `layout.step_layout`
-  per tier and `engine._device_tier`, jitted: a step's share of a --scan-steps lax.scan, and one
-  synchronised call a step.
+  whole host path `TierPlanner.choose_tier` (it reads the lagged survival back from the device);
+  the switch dispatch's `TierPlanner.device_plan`. Device: `planner.plan_lengths` +
+  `layout.step_layout` per tier and `engine.device_tier`, jitted: a step's share of a --scan-steps
+  lax.scan, and one synchronised call a step.
 (b) generate at --batches for the verify modes none, static, cap-accept and compact (compact with
   tier_dispatch host and switch): one engine per (mode, batch), num_slots = batch; prompts of
   --prompt-len bytes from the held-out corpus (jaxspec.train), no EOS stop, --max-new-tokens each;
@@ -14,8 +14,9 @@
   (generated tokens / generate wall time), wall a step, acceptance length (tokens committed a
   request-step), steps and tier counts.
 (c) Host vs switch on the device alone: the jitted step per tier against the switch step with a
-  DevicePlan forcing that tier, synchronised call by call (median of --step-reps), each with its
-  GPU busy time and kernels (`benchutil.gpu_kernel_times`): wall - busy = dispatch and launch gaps.
+  DevicePlan forcing that tier (`Engine.forced_step`: random prompts of the prefill width, forced
+  acceptance), synchronised call by call (median of --step-reps), each with its GPU busy time and
+  kernels (`benchutil.gpu_kernel_times`): wall - busy = dispatch and launch gaps.
 Without --target/--draft, random-weight tiny models are built (acceptance is then meaningless).
 
 Usage:
@@ -34,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
@@ -93,11 +93,9 @@ def main(args):
     import numpy as np
 
     from jaxspec import dflash, train
-    from jaxspec import engine as engine_mod
     from jaxspec import target as target_mod
     from jaxspec.config import SpecConfig
-    from jaxspec.engine import DevicePlan, Engine
-    from jaxspec.ops.sampling import SamplingParams
+    from jaxspec.engine import DevicePlan, Engine, TierPlanner, device_tier
     from jaxspec.spec import layout, planner
     from jaxspec.spec.planner import CostTable
 
@@ -138,14 +136,14 @@ def main(args):
             lines += [
                 f"## (a) planning overhead per step (block {args.block}; µs)",
                 "",
-                "host: choose_budget + tier_for on host survivals; _choose_tier: the engine's host path "
+                "host: choose_budget + tier_for on host survivals; choose_tier: the engine's host path "
                 "(reads the lagged survival from the device; cold, and after copy_to_host_async as the engine "
                 "starts it at dispatch); switch host: building the DevicePlan (its two "
                 "small host arrays travel with the step call). "
                 "device: plan_lengths + step_layout per tier (scan: device time per step; call: one "
                 "synchronised jitted call); device tier: the switch's on-device tier choice (scan).",
                 "",
-                "| batch | tiers | host choose_budget | host _choose_tier cold | copied | switch host "
+                "| batch | tiers | host choose_budget | host choose_tier cold | copied | switch host "
                 "| device tier (scan) | device plan+layout per tier (scan) | same, one call each |",
                 "|---|---|---|---|---|---|---|---|---|",
             ]
@@ -219,27 +217,28 @@ def main(args):
 
         host_us = timed_host(host_choose, host_surv * (n_items // 32 + 1))
 
-        # a stand-in for the engine with the attributes its host planning reads
-        fake = types.SimpleNamespace(
-            tier_tokens=tiers,
-            window=args.block,
-            cost_table=table,
-            _steps_run=10**9,
-            _costs=None,
-            spec=SpecConfig(verify_mode="compact", num_slots=b, num_tiers=args.num_tiers),
-        )
-        fake._plans = functools.partial(Engine._plans, fake)
+        # the engine's planning alone (what Engine.tier_planner runs each step), past its warm-up
+        spec_b = SpecConfig(verify_mode="compact", num_slots=b, num_tiers=args.num_tiers)
+        tier_planner = TierPlanner(spec_b, args.block, table)
+        assert tier_planner.tier_tokens == tiers
+        past_warmup = 10**9
         reqs = [object() for _ in range(b)]
         dev_surv = [[jax.device_put(survival_np()) for _ in range(n_items)] for _ in range(4)]
         jax.block_until_ready(dev_surv)
-        choose = functools.partial(Engine._choose_tier, fake, reqs)
-        choose_us = min(timed_host(lambda s: choose((reqs, s)), dev_surv[i], reps=1) for i in (0, 1))
+
+        def choose(s):
+            return tier_planner.choose_tier(reqs, (reqs, s), past_warmup)
+
+        def device_plan(s):
+            return tier_planner.device_plan(reqs, (reqs, s), past_warmup)
+
+        choose_us = min(timed_host(choose, dev_surv[i], reps=1) for i in (0, 1))
         for s in dev_surv[3]:  # as the engine does when it dispatches a step
             s.copy_to_host_async()
         time.sleep(0.1)
-        choose_async_us = timed_host(lambda s: choose((reqs, s)), dev_surv[3], reps=1)
-        Engine._device_plan(fake, reqs, (reqs, dev_surv[2][0]))  # builds the cost matrix once
-        switch_host_us = timed_host(lambda s: Engine._device_plan(fake, reqs, (reqs, s)), dev_surv[2], reps=3)
+        choose_async_us = timed_host(choose, dev_surv[3], reps=1)
+        device_plan(dev_surv[2][0])  # builds the cost matrix once
+        switch_host_us = timed_host(device_plan, dev_surv[2], reps=3)
 
         slots = jnp.arange(1, b + 1, dtype=jnp.int32)
         anchors = jnp.asarray(rng.integers(0, 256, b), jnp.int32)
@@ -294,7 +293,7 @@ def main(args):
 
         def dev_tier(c, s):
             plan = DevicePlan(plan=jnp.asarray(True), survival=s, same=active, costs=costs)
-            return c + engine_mod._device_tier(plan, active, tiers, d)
+            return c + device_tier(plan, active, tiers, d)
 
         tier_us = scan_us(dev_tier, jnp.zeros((), jnp.int32))
         plan_rows.append(
@@ -357,7 +356,8 @@ def main(args):
         if not (window == train.EOS_ID).any():
             prompts.append([int(t) for t in window])
     max_len = -(-(args.prompt_len + args.max_new_tokens + 2 * block + 8) // 64) * 64
-    width = min(max(16, 1 << (args.prompt_len - 1).bit_length()), max_len)  # Engine._bucket: prefill shapes shared
+    # the engine's prefill bucket of a prompt_len prompt: profiling and (c) prefill at the same shape
+    width = min(max(16, 1 << (args.prompt_len - 1).bit_length()), max_len)
     max_len = max(max_len, width + (max(args.profile_repeats, args.step_reps) + 2) * block)
 
     def spec(mode, b):
@@ -430,59 +430,29 @@ def main(args):
 
     def step_times(b, host_engine, switch_engine):
         """Per-tier step time: host static tier vs switch with the tier forced by the DevicePlan."""
-        slots = jnp.arange(1, b + 1, dtype=jnp.int32)
-        tiers = host_engine.tier_tokens
         greedy = args.temperature == 0
 
-        def fresh(engine):
-            engine.state = engine._init_state()
-            toks = jnp.asarray([p + [0] * (width - len(p)) for p in prompts[:b]], jnp.int32)
-            engine.state, _ = engine._prefill(
-                engine.state,
-                engine.target,
-                engine.proposer,
-                toks,
-                jnp.full((b,), args.prompt_len, jnp.int32),
-                slots,
-                jnp.zeros((b, 2), jnp.uint32),
-                SamplingParams.create(b),
-            )
-
-        def time_calls(engine, plan, tier):
+        def time_calls(engine, tier, switch):
             """(median ms a synchronised step, tier the step ran, GPU busy ms a step, distinct kernels
             of a step); None for the last two off the GPU."""
-            fresh(engine)
-
-            def step():
-                engine.state, emitted, *_, used = engine._step(
-                    engine.state, engine.target, engine.proposer, slots, plan, np.bool_(False), greedy=greedy, tier=tier
-                )
-                return emitted, used
-
+            step = engine.forced_step(b, tier, prompt_len=width, seed=args.seed, greedy=greedy, switch=switch)
             ts = []
             for _ in range(args.step_reps + 1):
                 t = time.perf_counter()
                 emitted, used = step()
                 jax.block_until_ready(emitted)
                 ts.append(time.perf_counter() - t)
-            fresh(engine)  # the state was donated call by call: step() threads it
+            # a fresh prefill: each call advances the rows by a window
+            step = engine.forced_step(b, tier, prompt_len=width, seed=args.seed, greedy=greedy, switch=switch)
             gpu = benchutil.gpu_kernel_times(step) if on_gpu else {}
             busy_ms = gpu["busy_us"] / 1e3 if gpu else None
             return statistics.median(ts[1:]) * 1e3, int(used), busy_ms, len(gpu["kernels"]) if gpu else None
 
-        for j, tier in enumerate(tiers):
+        for tier in host_engine.tier_tokens:
             if over_budget():
                 break
-            costs = np.full((b + 1, len(tiers)), 1e9, np.float32)
-            costs[:, j] = 1e-9
-            plan = DevicePlan(
-                plan=np.asarray(True),
-                survival=jnp.ones((b, block - 1), jnp.float32),
-                same=np.ones((b,), bool),
-                costs=jnp.asarray(costs),
-            )
-            host_ms, _, host_busy_ms, host_kernels = time_calls(host_engine, None, tier)
-            switch_ms, used, switch_busy_ms, _ = time_calls(switch_engine, plan, None)
+            host_ms, _, host_busy_ms, host_kernels = time_calls(host_engine, tier, False)
+            switch_ms, used, switch_busy_ms, _ = time_calls(switch_engine, tier, True)
             step_rows.append(
                 dict(
                     batch=b,
@@ -496,7 +466,6 @@ def main(args):
                 )
             )
             print(dump()[-1], flush=True)
-        host_engine.state, switch_engine.state = host_engine._init_state(), switch_engine._init_state()
 
     # ------------------------------------------------------------------------- (b), (c)
     modes = [m for m in MODES if m in args.modes.split(",")]

@@ -36,13 +36,11 @@ import time
 
 import benchutil  # bench/benchutil.py: the script directory is first on sys.path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG_FIELDS = ("chunk", "group", "blocks_per_step", "unroll", "steps", "num_warps", "select_warps")
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "out"))
     ap.add_argument("--rows", default="1024,4096")
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--ks", default="20,64")
@@ -57,9 +55,7 @@ def parse(argv=None):
         default="16:16:16:2:0:4:2",
         help="TopKConfig " + ":".join(CONFIG_FIELDS) + " entries, comma-separated (steps 0: default)",
     )
-    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
-    ap.add_argument("--torch-copy", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
+    benchutil.add_common_args(ap)
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows, args.vocab, args.ks, args.reps, args.inner, args.xla_reps = "4,8", 3000, "5,20", 2, 1, 1

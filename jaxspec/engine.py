@@ -163,9 +163,11 @@ class DevicePlan:
     costs: jnp.ndarray
 
 
-def _device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
-    """Index of the verify tier chosen on the device (`planner.choose_tier`) from
-    `Engine._choose_tier`'s inputs; the last (full) tier while `plan.plan` is False."""
+def device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
+    """Index (int32 []) of the verify tier the device chooses (`planner.choose_tier`, jittable):
+    plan a DevicePlan (`TierPlanner.device_plan`), active bool [S] (the rows that decode), tiers
+    the ascending tier ladder (static), drafts_per_row (static: window - 1). The last (full) tier
+    while `plan.plan` is False."""
     survival = jnp.where(plan.same[:, None], plan.survival, 1.0)
     tier = planner.choose_tier(survival, active, plan.costs, tiers, drafts_per_row)
     return jnp.where(plan.plan, tier, len(tiers) - 1).astype(jnp.int32)
@@ -232,7 +234,7 @@ def _step(
     else:
         with jax.named_scope("plan"):
             if tier is None:
-                tier_index = _device_tier(plan, active, tiers, t - 1)
+                tier_index = device_tier(plan, active, tiers, t - 1)
                 tier = jnp.asarray(tiers, jnp.int32)[tier_index]
             budget = tier - jnp.sum(active, dtype=jnp.int32)
             lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
@@ -372,6 +374,102 @@ def _jitted_prefill(max_top_k, impl):
     return jax.jit(partial(_prefill, max_top_k=max_top_k, impl=impl), donate_argnums=(0,))
 
 
+class TierPlanner:
+    """The verify tier of each step, model-free: chosen on the host (tier_dispatch "host",
+    `choose_tier`) or handed to the device as a DevicePlan (tier_dispatch "switch",
+    `device_plan`; the step applies the same rule, `device_tier`). An Engine plans through its
+    `tier_planner`; a benchmark can time one alone.
+
+    spec: the engine's SpecConfig (verify_mode, num_slots, num_tiers and the estimator's refit
+    schedule, which sets the warm-up); window: the tokens a request verifies at most (anchor +
+    drafts); cost_table: the profiled CostTable, None or trivial = verify everything.
+    tier_tokens: the tier ladder, `layout.tiers(num_slots, window, num_tiers)`.
+
+    The rows and history the methods read: rows, the request of each slot 1..num_slots (None =
+    idle; compared by identity); old, (rows, survival [num_slots, window - 1]) of the step `lag`
+    steps back, or None; steps_run, the device steps dispatched so far (the warm-up counts them).
+    """
+
+    def __init__(self, spec: SpecConfig, window: int, cost_table: CostTable | None = None):
+        self.spec, self.window, self.cost_table = spec, window, cost_table
+        self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
+        self._costs = None  # (cost table, its device cost matrix, placeholder survivals)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps that verify full blocks before compact / cap-accept plan: those before the
+        estimator's `warmup_refits`-th refit (its schedule: `estimator.refit_calls`)."""
+        spec = self.spec
+        refits = estimator.refit_calls(
+            spec.warmup_refits, refit_interval=spec.refit_interval, first_refit=spec.first_refit
+        )
+        return refits[-1] if refits else 0
+
+    def plans(self, old, steps_run: int) -> bool:
+        """Whether the next step plans a budget: not in modes none and static, during warm-up,
+        without the step `lag` back (old is None) or without profiled costs (then it verifies
+        everything)."""
+        return not (
+            self.spec.verify_mode in ("none", "static")
+            or steps_run < self.warmup_steps
+            or old is None
+            or self.cost_table is None
+            or self.cost_table.is_trivial
+        )
+
+    def choose_tier(self, rows, old, steps_run: int) -> int:
+        """The tier tokens of the next step, chosen on the host (`planner.choose_budget` over the
+        ladder's admissible budgets; reads the lagged survival back from the device). The full
+        block unless `plans`; a request that was not in its slot `lag` steps back counts its
+        survivals as 1."""
+        full = self.tier_tokens[-1]
+        if not self.plans(old, steps_run):
+            return full
+        old_rows, old_survival = old
+        old_survival = np.asarray(old_survival)
+        survival = [
+            old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
+            for i, req in enumerate(rows)
+            if req is not None
+        ]  # a newcomer: assume acceptance
+        n = len(survival)
+        admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
+        budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
+        return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
+
+    def device_plan(self, rows, old, steps_run: int) -> DevicePlan:
+        """`choose_tier`'s inputs for the device: nothing is read back; the lagged survivals stay
+        on the device (plan and same go as numpy: the step's call transfers them). The cost
+        matrix is built once per cost table."""
+        s, d = self.spec.num_slots, self.window - 1
+        plans = self.plans(old, steps_run)
+        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
+        if self._costs is None or self._costs[0] is not self.cost_table:
+            costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
+            if self.cost_table is not None and not self.cost_table.is_trivial:
+                for n in range(1, s + 1):
+                    for j, tier in enumerate(self.tier_tokens):
+                        if tier >= n:
+                            costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
+            self._costs = (self.cost_table, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
+        survival = old[1] if plans else self._costs[2]
+        return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
+
+    def forcing(self, tier: int) -> DevicePlan:
+        """A DevicePlan under which the device chooses `tier` (one of `tier_tokens`) whenever its
+        budget fits the active rows (tier - active <= active * (window - 1); else the smallest tier
+        that holds them all): that tier's costs are 1e-9 s, the others' 1e9 s; survivals 1."""
+        s, d = self.spec.num_slots, self.window - 1
+        costs = np.full((s + 1, len(self.tier_tokens)), 1e9, np.float32)
+        costs[:, self.tier_tokens.index(tier)] = 1e-9
+        return DevicePlan(
+            plan=np.asarray(True),
+            survival=jnp.ones((s, d), jnp.float32),
+            same=np.ones((s,), bool),
+            costs=jnp.asarray(costs),
+        )
+
+
 class Engine:
     """Speculative decoding of a GDN-hybrid target with a block draft.
 
@@ -379,9 +477,9 @@ class Engine:
     that follows jaxspec.proposer's interface instead. Mode "none" needs no draft.
 
     tier_dispatch (cap-accept and compact; the other modes have one tier): "host" compiles one
-    step per tier and the host picks it each step (`_choose_tier`); "switch" compiles one step
-    that picks the tier on the device by the same rule and, in compact mode, runs the verify
-    under lax.switch over the tiers. Both emit the same tokens.
+    step per tier and the host picks it each step (`TierPlanner.choose_tier`); "switch" compiles
+    one step that picks the tier on the device by the same rule and, in compact mode, runs the
+    verify under lax.switch over the tiers. Both emit the same tokens.
     """
 
     def __init__(
@@ -416,13 +514,14 @@ class Engine:
                 proposer = proposer.replace(forward_block=window)
         self.target, self.proposer, self.spec, self.window = target, proposer, spec, window
         self.tokenizer = tokenizer
-        self.cost_table = CostTable.load(cost_table) if isinstance(cost_table, str) else cost_table
-        self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
+        self.tier_planner = TierPlanner(
+            spec, window, CostTable.load(cost_table) if isinstance(cost_table, str) else cost_table
+        )
+        self.tier_tokens = self.tier_planner.tier_tokens
         self.recorder = TraceRecorder() if record_trace and mode != "none" else None
         self.tier_counts = collections.Counter()
         self.tier_dispatch = tier_dispatch
         self._switch = tier_dispatch == "switch" and mode in ("cap-accept", "compact")
-        self._costs = None  # (cost table, its device cost matrix, placeholder survivals)
         self._steps_run = 0
         self.totals = collections.Counter()  # over the steps read: steps, rows, verified, tier_tokens
         sim = spec.simulated_acceptance
@@ -456,80 +555,51 @@ class Engine:
         )
 
     @property
+    def cost_table(self) -> CostTable | None:
+        """The profiled costs the planner reads (`tier_planner.cost_table`; assignable)."""
+        return self.tier_planner.cost_table
+
+    @cost_table.setter
+    def cost_table(self, table: CostTable | None):
+        self.tier_planner.cost_table = table
+
+    @property
     def warmup_steps(self) -> int:
-        """Steps that verify full blocks before compact / cap-accept plan: those before the
-        estimator's `warmup_refits`-th refit (its schedule: `estimator.refit_calls`)."""
-        spec = self.spec
-        refits = estimator.refit_calls(
-            spec.warmup_refits, refit_interval=spec.refit_interval, first_refit=spec.first_refit
-        )
-        return refits[-1] if refits else 0
+        """Steps that verify full blocks before compact / cap-accept plan (`TierPlanner.warmup_steps`)."""
+        return self.tier_planner.warmup_steps
 
-    def _plans(self, old) -> bool:
-        """Whether the next step plans a budget: not in static mode, during warm-up, without the
-        step `lag` back (old is None) or without profiled costs (then it verifies everything)."""
-        return not (
-            self.spec.verify_mode in ("none", "static")
-            or self._steps_run < self.warmup_steps
-            or old is None
-            or self.cost_table is None
-            or self.cost_table.is_trivial
-        )
-
-    def _choose_tier(self, rows, old) -> int:
-        """The verify tier of the next step. rows: the request of each slot (None = idle); old:
-        (rows, survival [S, T-1]) of the step `lag` steps back, or None. The full block unless
-        `_plans`."""
-        full = self.tier_tokens[-1]
-        if not self._plans(old):
-            return full
-        old_rows, old_survival = old
-        old_survival = np.asarray(old_survival)
-        survival = [
-            old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
-            for i, req in enumerate(rows)
-            if req is not None
-        ]  # a newcomer: assume acceptance
-        n = len(survival)
-        admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
-        budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
-        return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
-
-    def _device_plan(self, rows, old) -> DevicePlan:
-        """`_choose_tier`'s inputs for the device (tier_dispatch "switch"): nothing is read back;
-        the lagged survivals stay on the device (plan and same go as numpy: the step's call
-        transfers them)."""
-        s, d = self.spec.num_slots, self.window - 1
-        plans = self._plans(old)
-        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
-        if self._costs is None or self._costs[0] is not self.cost_table:
-            costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
-            if self.cost_table is not None and not self.cost_table.is_trivial:
-                for n in range(1, s + 1):
-                    for j, tier in enumerate(self.tier_tokens):
-                        if tier >= n:
-                            costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
-            self._costs = (self.cost_table, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
-        survival = old[1] if plans else self._costs[2]
-        return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
-
-    def forced_step(self, batch, tier, *, prompt_len=8, seed=0):
-        """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
-        verified draft accepted; mode none: one token) and returns its emitted tokens [S, T].
-
-        The engine must be idle; its state is reset and `batch` random prompts of `prompt_len`
-        tokens are prefilled into slots 1..batch (`_prefill_rows`); every call advances them by
-        one step, so at most (max_len - prompt_len) // window calls fit. Used by `profile` and by
-        benchmarks that trace a step."""
-        if self.busy:
-            raise RuntimeError("forced_step: the engine has requests in flight (it resets the state)")
+    def _forced_call(self, batch, tier, greedy, switch):
+        """The step call of `forced_step(batch, tier, greedy=greedy, switch=switch)`: (rows `slots`
+        [num_slots], 1..batch then 0, and `_step_args`'s plan, force_accept, greedy and tier)."""
         if not 1 <= batch <= self.spec.num_slots:
             raise ValueError(f"batch: {batch} is not in 1..num_slots={self.spec.num_slots}")
         if tier not in self.tier_tokens or tier < batch:
             raise ValueError(f"tier: {tier} is not one of this engine's tiers >= batch {batch}: {self.tier_tokens}")
-        rng = np.random.default_rng(seed)
+        if switch and not self._switch:
+            raise ValueError("switch: only tier_dispatch 'switch' engines (cap-accept, compact) have a switch step")
         slots = np.zeros(self.spec.num_slots, np.int32)
         slots[:batch] = np.arange(1, batch + 1)
+        if switch:
+            return slots, dict(plan=self.tier_planner.forcing(tier), force_accept=True, greedy=greedy, tier=None)
+        return slots, dict(plan=None, force_accept=True, greedy=greedy, tier=tier)
+
+    def forced_step(self, batch, tier, *, prompt_len=8, seed=0, greedy=True, switch=False):
+        """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
+        verified draft accepted; mode none: one token) and returns (emitted tokens [S, T], the
+        tier tokens the step ran: int32 []).
+
+        The engine must be idle; its state is reset and `batch` random prompts of `prompt_len`
+        tokens are prefilled into slots 1..batch (temperature 0); every call advances them by one
+        step, so at most (max_len - prompt_len) // window calls fit. greedy: the step's greedy-only
+        variant (False: the sampling one). switch (tier_dispatch "switch" engines): run the one
+        switch step with a DevicePlan that makes the device choose `tier`
+        (`TierPlanner.forcing`: below a full batch a tier too large for the rows' drafts gives
+        way to the smallest that holds them); otherwise the step compiled for `tier`. Used by
+        `profile` and by benchmarks that time or trace a step."""
+        if self.busy:
+            raise RuntimeError("forced_step: the engine has requests in flight (it resets the state)")
+        slots, call = self._forced_call(batch, tier, greedy, switch)
+        rng = np.random.default_rng(seed)
         self.state = self._init_state()
         prompts = rng.integers(0, self.target.config.vocab_size, (batch, prompt_len)).astype(np.int32)
         self._prefill_rows(
@@ -541,16 +611,19 @@ class Engine:
         )
 
         def run():
-            args, kwargs = self._step_args(slots, None, True, greedy=True, tier=tier)
-            self.state, emitted, *_ = self._step(*args, **kwargs)
-            return emitted
+            args, kwargs = self._step_args(slots, **call)
+            self.state, emitted, *_, used = self._step(*args, **kwargs)
+            return emitted, used
 
         return run
 
     def profile(self, batches, *, repeats=10, prompt_len=8, seed=0, on_entry=None) -> CostTable:
         """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
-        accepted) and return the cost table the planner reads. The engine's state is reset.
-        on_entry(batch, tier, seconds), if given, is called after each entry (e.g. a progress bar)."""
+        accepted) and return the cost table the planner reads: entries {(batch, tier tokens):
+        median seconds}, for every tier >= batch; in static mode, which verifies every slot's whole
+        block whatever the tier, the full tier alone (num_slots * window tokens). The engine's
+        state is reset. on_entry(batch, tier, seconds), if given, is called after each entry (e.g.
+        a progress bar)."""
         if self.proposer is None:
             raise ValueError("profile: verify_mode 'none' has no tiers to profile")
         entries = {}
@@ -559,10 +632,11 @@ class Engine:
             raise ValueError(
                 f"profile: prompt_len + (repeats + 1) * window exceeds SpecConfig.max_len={self.spec.max_len}"
             )
+        tiers = self.tier_tokens[-1:] if self.spec.verify_mode == "static" else self.tier_tokens
         for batch in batches:
             if not 1 <= batch <= self.spec.num_slots:
                 raise ValueError(f"batches: {batch} is not in 1..num_slots={self.spec.num_slots}")
-            for tier in self.tier_tokens:
+            for tier in tiers:
                 if tier < batch:
                     continue
                 step = self.forced_step(batch, tier, prompt_len=prompt_len, seed=seed)
@@ -577,16 +651,15 @@ class Engine:
         self.state = self._init_state()
         return CostTable(entries)
 
-    def forced_lowerings(self, batch, tier, *, prompt_len=8) -> dict:
-        """What `forced_step(batch, tier, prompt_len=...)` compiles, as {"prefill": thunk, "step":
-        thunk}, each returning a jax.stages.Lowered (compile ahead, read the HLO, count the cost).
-        Lowering reads only the shapes of the state."""
-        slots = np.zeros(self.spec.num_slots, np.int32)
-        slots[:batch] = np.arange(1, batch + 1)
+    def forced_lowerings(self, batch, tier, *, prompt_len=8, greedy=True, switch=False) -> dict:
+        """What `forced_step(batch, tier, prompt_len=..., greedy=..., switch=...)` compiles, as
+        {"prefill": thunk, "step": thunk}, each returning a jax.stages.Lowered (compile ahead, read
+        the HLO, count the cost). Lowering reads only the shapes of the state."""
+        slots, call = self._forced_call(batch, tier, greedy, switch)
         rows = self.spec.prefill_rows or batch
         return {
             "prefill": partial(self._lower_prefill, rows, prompt_len),
-            "step": partial(self._lower_step, slots, None, True, greedy=True, tier=tier),
+            "step": partial(self._lower_step, slots, **call),
         }
 
     def _step_args(self, slots, plan, force_accept, *, greedy, tier):
@@ -609,7 +682,7 @@ class Engine:
         out = {}
         slots = np.zeros(s, np.int32)
         if self._switch:
-            plan = self._device_plan([None] * s, None)
+            plan = self.tier_planner.device_plan([None] * s, None, self._steps_run)
             out["step switch"] = partial(self._lower_step, slots, plan, False, greedy=greedy, tier=None)
         else:
             planned = self.spec.verify_mode in ("cap-accept", "compact")
@@ -852,9 +925,9 @@ class Engine:
         rows = [self._active.get(s) for s in range(1, self.spec.num_slots + 1)]
         old = self._history[0] if len(self._history) == self.spec.lag else None
         if self._switch:
-            tier, plan = None, self._device_plan(rows, old)
+            tier, plan = None, self.tier_planner.device_plan(rows, old, self._steps_run)
         else:
-            tier, plan = self._choose_tier(rows, old), None
+            tier, plan = self.tier_planner.choose_tier(rows, old, self._steps_run), None
         temperature = np.asarray([0.0 if r is None else r.sampling[0] for r in rows], np.float32)
         slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)  # travels with the call
         self.state, emitted, accepted, verified, features, survival, used = self._step(

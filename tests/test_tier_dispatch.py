@@ -86,8 +86,8 @@ def test_device_tier_is_the_host_tier(model, table):
     """The device rule picks the host's tier for random survivals, occupancy and request changes."""
     BLOCK = 6  # tiers (3, 8, 16, 18)
     engine = _engine(model, table, "compact", "switch", BLOCK)
-    engine._steps_run = 10**6  # past warm-up
-    pick = jax.jit(engine_mod._device_tier, static_argnums=(2, 3))
+    tier_planner, past_warmup = engine.tier_planner, 10**6
+    pick = jax.jit(engine_mod.device_tier, static_argnums=(2, 3))
     rng = np.random.default_rng(0)
     requests = [object() for _ in range(2 * SLOTS)]
     seen = set()
@@ -102,19 +102,19 @@ def test_device_tier_is_the_host_tier(model, table):
         if all(r is None for r in rows):
             rows[0] = requests[0]
         old = (old_rows, jax.numpy.asarray(survival))
-        host = engine._choose_tier(rows, old)
+        host = tier_planner.choose_tier(rows, old, past_warmup)
         active = jax.numpy.asarray([r is not None for r in rows])
-        device = engine.tier_tokens[int(pick(engine._device_plan(rows, old), active, engine.tier_tokens, BLOCK - 1))]
+        plan = tier_planner.device_plan(rows, old, past_warmup)
+        device = engine.tier_tokens[int(pick(plan, active, engine.tier_tokens, BLOCK - 1))]
         assert device == host, (trial, rows, old_rows, survival)
         seen.add(host)
     assert len(seen) > 2, seen
     # no plan (no history): the full block, as on the host
     rows = [requests[0]] + [None] * (SLOTS - 1)
     active = jax.numpy.asarray([r is not None for r in rows])
-    assert engine._choose_tier(rows, None) == engine.tier_tokens[-1]
-    assert (
-        int(pick(engine._device_plan(rows, None), active, engine.tier_tokens, BLOCK - 1)) == len(engine.tier_tokens) - 1
-    )
+    assert tier_planner.choose_tier(rows, None, past_warmup) == engine.tier_tokens[-1]
+    plan = tier_planner.device_plan(rows, None, past_warmup)
+    assert int(pick(plan, active, engine.tier_tokens, BLOCK - 1)) == len(engine.tier_tokens) - 1
 
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
@@ -148,3 +148,32 @@ def test_switch_emits_the_host_tokens_and_compiles_once(model, table, prompts, m
 def test_tier_dispatch_is_checked(model, table):
     with pytest.raises(ValueError, match="tier_dispatch"):
         _engine(model, table, "compact", "device", 4)
+
+
+def test_forced_switch_step_runs_the_forced_tier(model, table):
+    """forced_step(switch=True) runs the switch step at the tier its DevicePlan forces
+    (`TierPlanner.forcing`) and emits the host step's tokens at that tier (forced acceptance, the
+    same prompts); switch=True on a host-dispatch engine is refused."""
+    host = _engine(model, table, "compact", "host", 4)  # tiers (3, 8, 12)
+    switch = _engine(model, table, "compact", "switch", 4)
+    for tier in host.tier_tokens:
+        ran = {}
+        for name, engine in (("host", host), ("switch", switch)):
+            step = engine.forced_step(SLOTS, tier, switch=name == "switch")
+            calls = [step() for _ in range(2)]
+            ran[name] = (np.stack([np.asarray(e) for e, _ in calls]), [int(used) for _, used in calls])
+        assert ran["switch"][1] == ran["host"][1] == [tier, tier]
+        np.testing.assert_array_equal(ran["switch"][0], ran["host"][0])
+    with pytest.raises(ValueError, match="switch"):
+        host.forced_step(SLOTS, host.tier_tokens[-1], switch=True)
+
+
+def test_static_profile_times_the_full_tier_only(model, table):
+    """A static step verifies every slot's whole block whatever the tier: profile compiles and
+    times one step, the full tier, per batch."""
+    engine = _engine(model, table, "static", "host", 4)
+    before = engine._step._cache_size()
+    costs = engine.profile([1, SLOTS], repeats=1)
+    full = engine.tier_tokens[-1]
+    assert sorted(costs.entries) == [(1, full), (SLOTS, full)]
+    assert engine._step._cache_size() - before == 1

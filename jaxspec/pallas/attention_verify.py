@@ -164,6 +164,12 @@ class AttentionVerifyConfig:
             partial_dtype=jnp.dtype(self.partial_dtype or dtype),
         )
 
+    def resolve_call(self, q_shape, k_shape, t_max: int, num_requests: int, dtype) -> dict:
+        """The launch plan (`resolve`) of an `attention_verify` call: q_shape [N, Hq, D], k_shape
+        one layer's cache [S1, M, KVH, D], t_max and num_requests (B) as in the call, dtype q's."""
+        _, rows, _ = _geometry(q_shape, k_shape, t_max)
+        return self.resolve(num_requests, k_shape[2], k_shape[1], rows, q_shape[2], dtype)
+
 
 def combine_tile_rows(rows: int, partials: int, combine_d: int) -> int:
     """Rows of a split-merge program's [pow2(partials), rows, combine_d] tile: ~8192 fp32 values."""
@@ -502,7 +508,7 @@ def attention_verify(
     max_len, kvh = k_cache.shape[-3:-1]
     b = slots.shape[0]
     rep, rows, d_pad = _geometry(q.shape, k_cache.shape[-4:], t_max)
-    plan = config.resolve(b, kvh, max_len, rows, d, q.dtype)
+    plan = config.resolve_call(q.shape, k_cache.shape[-4:], t_max, b, q.dtype)
     num_splits = plan["num_splits"]
     final = num_splits == 1
     if o_buffer is not None and (o_buffer.shape != (n, hq, d) or o_buffer.dtype != q.dtype):
