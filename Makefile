@@ -21,7 +21,7 @@ test: venv
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
 
 demo: venv
-	$(VENV)/bin/jaxspec generate --block-size 8 --warmup --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
+	$(VENV)/bin/jaxspec generate --block-size 8 --trim-draft --warmup --repeats 5 --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
 		--prompt "$$(head -c 300 $$($(PY) -c "import json, os; print(os.path.join(os.path.dirname(json.__file__), 'decoder.py'))"))"
 
 # `make bench` needs jax with CUDA; `make bench PY=python3` runs that Python as it is, without the venv.

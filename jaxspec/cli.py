@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 
 from jaxspec.argtypes import (
@@ -104,6 +105,13 @@ def _parser():
         action="store_true",
         help="decode the prompts once first, so tokens/s "
         "leaves compilation out (without it, a speed that includes compilation says so)",
+    )
+    gen.add_argument(
+        "--repeats",
+        type=positive_int("--repeats"),
+        default=1,
+        help="decode the prompts this many times (with --compare-none, alternating with mode none) "
+        "and print the median speeds",
     )
     gen.add_argument(
         "--compare-none",
@@ -377,9 +385,31 @@ def _check_lengths(parser, args, prompts, window):
             )
 
 
+def _median_speeds(runs):
+    """The last of `runs` (lists of GenerationResult of the same prompts, the same tokens), each
+    request's speeds replaced by their medians over the runs."""
+    out = []
+    for tries in zip(*runs):
+        last = tries[-1]
+        if last.error is None:
+            speeds = ("tokens_per_s", "first_token_s", "decode_tokens_per_s")
+            last.stats.update({k: statistics.median(r.stats[k] for r in tries) for k in speeds})
+        out.append(last)
+    return out
+
+
 def _speed(stats) -> str:
     compiled = " including compilation (--warmup leaves it out)" if stats["includes_compilation"] else ""
-    return f"{stats['tokens_per_s']:.1f} tokens/s{compiled}"
+    return (
+        f"{stats['tokens_per_s']:.1f} tokens/s{compiled}: first token {stats['first_token_s'] * 1e3:.0f} ms, "
+        f"then {stats['decode_tokens_per_s']:.1f} tokens/s"
+    )
+
+
+def _speed_ups(stats, base) -> str:
+    """Speculation against mode none: the decode rate after the first token, and end to end."""
+    rate = lambda key: stats[key] / base[key] if base[key] else float("nan")
+    return f"decode speed-up {rate('decode_tokens_per_s'):.2f}x, end to end {rate('tokens_per_s'):.2f}x"
 
 
 def _generate(args, parser):
@@ -416,7 +446,8 @@ def _generate(args, parser):
                 f"argument --block-size: {args.block_size} exceeds the draft's block of {draft.config.block_size}"
             )
 
-    def decode(mode, engine_draft, table):
+    def decoder(mode, engine_draft, table):
+        """A callable that decodes the prompts once in `mode` (after the --warmup run)."""
         spec = SpecConfig(
             verify_mode=mode,
             num_slots=args.num_slots,
@@ -436,21 +467,34 @@ def _generate(args, parser):
         )
         if args.warmup:
             run()
-        return run()
+        return run
 
-    results = decode(args.verify_mode, draft, cost_table)
-    baseline = None
+    runs = {args.verify_mode: decoder(args.verify_mode, draft, cost_table)}
     if args.compare_none and args.verify_mode != "none":
-        baseline = decode("none", None, None)
+        runs["none"] = decoder("none", None, None)
+    decoded = {mode: [] for mode in runs}
+    for _ in range(args.repeats):  # modes alternate, so a slow spell of the machine hits both
+        for mode, run in runs.items():
+            decoded[mode].append(run())
+    results = _median_speeds(decoded[args.verify_mode])
+    baseline = _median_speeds(decoded["none"]) if "none" in decoded else None
     failed = 0
     for i, r in enumerate(results):
         failed += r.error is not None
         base = baseline[i] if baseline is not None and r.error is None else None
         if args.json:
-            keys = ("accept_length", "steps", "tokens_per_s", "includes_compilation")
+            keys = (
+                "accept_length",
+                "steps",
+                "tokens_per_s",
+                "first_token_s",
+                "decode_tokens_per_s",
+                "includes_compilation",
+            )
             stats = {k: r.stats[k] for k in keys} if r.stats else {}
             if base is not None:
                 stats["tokens_per_s_none"] = base.stats["tokens_per_s"]
+                stats["decode_tokens_per_s_none"] = base.stats["decode_tokens_per_s"]
                 stats["same_tokens_as_none"] = base.tokens == r.tokens
             print(json.dumps({"tokens": r.tokens, "text": r.text, "stats": stats, "error": r.error}))
             continue
@@ -468,8 +512,7 @@ def _generate(args, parser):
             same = "the same tokens" if base.tokens == r.tokens else "different tokens"
             print(
                 f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
-                f"speculative speed-up {r.stats['tokens_per_s'] / base.stats['tokens_per_s']:.2f}x "
-                f"on {_device_name()}]",
+                f"{_speed_ups(r.stats, base.stats)} on {_device_name()}]",
                 file=sys.stderr,
             )
     return 1 if failed else 0

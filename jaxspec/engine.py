@@ -66,10 +66,12 @@ class GenerationResult:
     """tokens: generated ids (prompt excluded); text: their decoding when a tokenizer is known;
     stats: steps, accepted and verified (drafts per step; the last step may accept past the end),
     accept_length (tokens the verify steps returned / steps: the returned tokens but the first,
-    which the prefill gives), tokens_per_s (from admission to the last token) and
-    includes_compilation (whether `generate` compiled a step or a prefill while it ran, so
-    tokens_per_s counts compile time); error: why the request was refused (then tokens is empty)
-    or ended early (then tokens are those emitted before), naming the prompt's index."""
+    which the prefill gives), tokens_per_s (from admission to the last token), first_token_s
+    (admission to the first token on the host), decode_tokens_per_s (the tokens after the first
+    / the time after it; 0.0 for a single token) and includes_compilation (whether `generate`
+    compiled a step or a prefill while it ran, so tokens_per_s counts compile time); error: why
+    the request was refused (then tokens is empty) or ended early (then tokens are those emitted
+    before), naming the prompt's index."""
 
     tokens: list
     stats: dict
@@ -106,6 +108,7 @@ class _Request:
     accepted: list = dataclasses.field(default_factory=list)
     verified: list = dataclasses.field(default_factory=list)
     start: float = 0.0
+    first_at: float = 0.0
     compiled: int = 0
     done: bool = False
 
@@ -835,7 +838,8 @@ class Engine:
         req.done = True
         self._free.append(req.slot)
         del self._active[req.slot]
-        elapsed = max(time.perf_counter() - req.start, 1e-9)
+        now = time.perf_counter()
+        elapsed = max(now - req.start, 1e-9)
         steps = len(req.accepted)
         stats = {
             "steps": steps,
@@ -843,6 +847,10 @@ class Engine:
             "verified": req.verified,
             "accept_length": (len(req.tokens) - 1) / steps if steps else 0.0,
             "tokens_per_s": len(req.tokens) / elapsed,
+            "first_token_s": req.first_at - req.start if req.tokens else 0.0,
+            "decode_tokens_per_s": (len(req.tokens) - 1) / max(now - req.first_at, 1e-9)
+            if len(req.tokens) > 1
+            else 0.0,
             "includes_compilation": self.compiled_programs != req.compiled,
         }
         text = self.tokenizer.decode(req.tokens) if self.tokenizer is not None else None
@@ -859,6 +867,8 @@ class Engine:
             )
             return
         req.tokens.append(int(tok))
+        if len(req.tokens) == 1:
+            req.first_at = time.perf_counter()
         self._news.setdefault(req.id, [[], len(req.tokens) == 1, None])[0].append(int(tok))
         stopped = (
             req.stop and self.tokenizer is not None and any(s in self.tokenizer.decode(req.tokens) for s in req.stop)

@@ -3,6 +3,7 @@ cause is one line on stderr naming the argument and the file, exit status 2 (run
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,7 +77,14 @@ def test_generate_json_static_equals_none(capsys):
     assert len(outs["none"]) == len(outs["static"]) == 2
     for none, static in zip(outs["none"], outs["static"]):
         assert none["tokens"] == static["tokens"] and len(none["tokens"]) == 16
-        assert set(static["stats"]) == {"accept_length", "steps", "tokens_per_s", "includes_compilation"}
+        assert set(static["stats"]) == {
+            "accept_length",
+            "steps",
+            "tokens_per_s",
+            "first_token_s",
+            "decode_tokens_per_s",
+            "includes_compilation",
+        }
         assert isinstance(static["text"], str)
         # none commits one token a step; the first token comes from prefill
         assert none["stats"]["steps"] == 15 and none["stats"]["accept_length"] == 1.0
@@ -324,5 +332,17 @@ def test_speed_without_warmup_says_it_includes_compilation():
     argv = ["generate", "--target", FIXTURE, "--prompt", "ab", "--verify-mode", "none", "--max-new-tokens", "4"]
     cold, warm = _run(*argv), _run(*argv, "--warmup")
     assert cold.returncode == 0 and warm.returncode == 0
-    assert b"tokens/s including compilation (--warmup leaves it out)]" in cold.stderr
+    assert b"tokens/s including compilation (--warmup leaves it out): first token" in cold.stderr
     assert b"tokens/s]" in warm.stderr and b"including compilation" not in warm.stderr
+
+
+def test_compare_none_prints_the_demo_line():
+    """`make demo`'s line: the accept length, the decode and end-to-end speed-ups against mode
+    none, and the device, in a fixed form."""
+    argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "12", "--block-size", "4", "--trim-draft"]
+    proc = _run(*argv, "--warmup", "--compare-none")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode()
+    static_line = r"\[static: 12 tokens, \d+ steps, accept length \d+\.\d\d, [\d.]+ tokens/s: first token \d+ ms"
+    assert re.search(static_line, err), err
+    assert re.search(r"decode speed-up \d+\.\d\dx, end to end \d+\.\d\dx on the CPU \(\d+ cores\)\]", err), err

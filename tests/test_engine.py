@@ -94,6 +94,19 @@ def test_trimmed_draft_block_is_lossless_and_drafts_differently(model, prompts, 
         SpecConfig(trim_draft=1)
 
 
+def test_speed_stats_split_first_token_and_decode(model, prompts, reference):
+    """tokens_per_s covers admission to the last token, first_token_s the prefill's share and
+    decode_tokens_per_s the rest: n / tokens_per_s == first_token_s + (n - 1) / decode_tokens_per_s."""
+    engine = Engine(model, random_draft(model, 4), SpecConfig(verify_mode="static", num_slots=2, max_len=96))
+    results = engine.generate(prompts[:2] + [prompts[2]], max_new_tokens=MAX_NEW)
+    single = engine.generate(prompts[:1], max_new_tokens=1)[0]
+    for r in results:
+        st, n = r.stats, len(r.tokens)
+        assert n == MAX_NEW and st["first_token_s"] > 0 and st["decode_tokens_per_s"] > 0
+        assert n / st["tokens_per_s"] == pytest.approx(st["first_token_s"] + (n - 1) / st["decode_tokens_per_s"])
+    assert single.stats["decode_tokens_per_s"] == 0.0 and single.stats["first_token_s"] > 0
+
+
 @pytest.fixture(scope="module")
 def oracle_drafts(model, prompts, reference):
     """A LookupProposer of blocks of 8 over the greedy continuations (mode none, one request at a

@@ -203,7 +203,10 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, impl="auto"):
 
 
 def _forward_substitute(A, rhs):
-    """Solve (I + A) U = rhs with A [.., T, T] strictly lower; row i reads rows < i only, by selection."""
+    """Solve (I + A) U = rhs with A [.., T, T] strictly lower; row i reads rows < i only, by
+    selection, so a non-finite row reaches no earlier one. A verify window's loop (T <= 16) is
+    unrolled: a rolled XLA while loop pays its loop ops again every row (on the CPU each op is a
+    dispatch); a prefill chunk's (64 rows) stays rolled, for compile time."""
     t = A.shape[-1]
 
     def body(i, u):
@@ -211,7 +214,7 @@ def _forward_substitute(A, rhs):
         row = jnp.sum(_where(earlier, A[..., i, :, None] * u), axis=-2)
         return u.at[..., i, :].set(rhs[..., i, :] - row)
 
-    return jax.lax.fori_loop(0, t, body, jnp.zeros_like(rhs))
+    return jax.lax.fori_loop(0, t, body, jnp.zeros_like(rhs), unroll=t <= 16)
 
 
 def _window(h, q, k, v, g, beta, valid):
