@@ -24,7 +24,7 @@ is one step with forced acceptance):
     --compact-full also times compact at the full tier (the static step's tokens plus the planning).
   Each: the median wall ms of --reps calls, each synchronised (jax.block_until_ready), after an untimed
   first call. For none and spec full also a profiler (CUPTI) trace of --trace-calls steps:
-  GPU busy ms a step, by engine scope (the named scopes of the engine's step, jaxspec/engine.py: draft, estimator,
+  GPU busy ms a step, by engine scope (the named scopes of the engine's step, jaxspec/step.py: draft, estimator,
   plan, verify, accept, commit, draft_context; else other) and the top kernels by time.
 
 Kernel -> scope (`jaxspec.bench.trace`): each GPU kernel event of the trace carries XLA's launch annotation

@@ -1,10 +1,10 @@
-"""The engine: slots, continuous batching and the jitted step draft -> verify -> accept -> commit.
+"""The engine: slots, queue, continuous batching and the host loop around the jitted step.
 
-One jitted step per variant (greedy-only or sampling), donating the state; requests join by
-prefill into free slots (one jitted prefill per prompt-length bucket) and leave on EOS,
-max_new_tokens or a stop string. The step never recompiles for a new mix of requests: slot
-occupancy is data (inactive rows point at the null slot 0). The host loop below never touches
-model arrays except to read the emitted tokens.
+The device side (EngineState, the jitted step draft -> verify -> accept -> commit and the
+prefill) is jaxspec/step.py; the verify tier of each step comes from jaxspec/tier_planner.py.
+Requests join by prefill into free slots (one jitted prefill per prompt-length bucket) and leave
+on EOS, max_new_tokens or a stop string. The host loop below never touches model arrays except
+to read the emitted tokens.
 
 Two ways to drive it: `generate(prompts)` returns finished results; `submit(prompt)` queues one
 request and each `step()` call runs one turn of the host loop and returns its `Event`s (tokens
@@ -22,43 +22,25 @@ import collections
 import dataclasses
 import time
 import warnings
-from functools import cache, partial
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from jaxspec import cache as cache_mod
-from jaxspec import target as target_mod
-from jaxspec.cache import CacheState
 from jaxspec.config import SpecConfig
 from jaxspec.dflash import Draft
-from jaxspec.ops import packing, sampling
 from jaxspec.ops.sampling import SamplingParams
 from jaxspec.proposer import DFlashProposer
-from jaxspec.spec import estimator, layout, planner, simulation
+from jaxspec.spec import estimator
 from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
+from jaxspec.step import NON_FINITE, EngineState, jitted_prefill, jitted_step
+from jaxspec.step import DevicePlan as DevicePlan  # re-exported: bench/engine_step.py imports it from here
+from jaxspec.step import device_tier as device_tier  # re-exported: bench/engine_step.py imports it from here
 from jaxspec.target import Target
-
-NON_FINITE = -1  # the token id a step emits for a request whose target logits are not finite
-
-
-@struct.dataclass
-class EngineState:
-    """Device state: the target cache, the proposer's state, the acceptance estimator, per slot
-    [S1] the anchor (the token emitted last, not yet in the target state), a raw PRNG key [S1, 2]
-    and sampling params, and draft_non_finite (int32 []: draft rows whose logits were not finite,
-    since the last `generate` began)."""
-
-    cache: CacheState
-    proposer: object
-    estimator: estimator.EstimatorState | None
-    anchor: jnp.ndarray
-    keys: jnp.ndarray
-    sampling: SamplingParams
-    draft_non_finite: jnp.ndarray
+from jaxspec.tier_planner import TierPlanner
 
 
 @dataclasses.dataclass
@@ -133,346 +115,6 @@ def _raw_key(seed: int) -> np.ndarray:
     return np.array([high, seed & 0xFFFFFFFF], np.uint32)
 
 
-def _finite_rows(logits, used=None):
-    """logits [S, vocab] or [S, T, vocab] -> bool [S]: every logit the request uses is finite; with
-    `used` [S], window rows 0..used only (the rows that give emitted tokens: a rejected draft's
-    row reaches no token and no committed state)."""
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    if used is not None:
-        finite = finite | (jnp.arange(logits.shape[1])[None, :] > used[:, None])
-    return jnp.all(finite.reshape(logits.shape[0], -1), axis=-1)
-
-
-def _target_rows(logits, params, greedy, max_top_k):
-    """logits [S, T, vocab] -> (probs, ids) [S, T, k] of the processed target distribution; a
-    greedy-only batch takes the argmax (k = 1) and never sorts the vocabulary."""
-    if greedy:
-        ids = sampling.greedy_tokens(logits)[..., None]
-        return jnp.ones(ids.shape, jnp.float32), ids
-    return sampling.target_distribution(logits, params, max_top_k)
-
-
-@struct.dataclass
-class DevicePlan:
-    """Inputs of the device-side tier choice (tier_dispatch "switch"), all traced data so one
-    compiled step serves every tier: plan (bool []: False = verify everything, the host's
-    warm-up / no-history / no-cost-table rule), survival [S, T-1] of the step `lag` steps back,
-    same [S] (the row holds the request it held then; otherwise its survivals count as 1) and
-    costs [S+1, tiers] (seconds of tier j's admissible budget at n active rows, from the table)."""
-
-    plan: jnp.ndarray
-    survival: jnp.ndarray
-    same: jnp.ndarray
-    costs: jnp.ndarray
-
-
-def device_tier(plan: DevicePlan, active, tiers, drafts_per_row):
-    """Index (int32 []) of the verify tier the device chooses (`planner.choose_tier`, jittable):
-    plan a DevicePlan (`TierPlanner.device_plan`), active bool [S] (the rows that decode), tiers
-    the ascending tier ladder (static), drafts_per_row (static: window - 1). The last (full) tier
-    while `plan.plan` is False."""
-    survival = jnp.where(plan.same[:, None], plan.survival, 1.0)
-    tier = planner.choose_tier(survival, active, plan.costs, tiers, drafts_per_row)
-    return jnp.where(plan.plan, tier, len(tiers) - 1).astype(jnp.int32)
-
-
-def _step(
-    state: EngineState,
-    target: Target,
-    proposer,
-    slots,
-    plan,
-    force_accept,
-    *,
-    window,
-    tier,
-    mode,
-    greedy,
-    max_top_k,
-    impl,
-    tiers=None,
-    simulate=None,
-):
-    """One decoding step for the rows `slots` [S] (0 = inactive row).
-
-    mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
-    lengths from the estimator's current survivals with a budget of `tier` - active rows tokens.
-    `tier` static: the host chose it from survivals `lag` steps old. `tier` None (tier_dispatch
-    "switch"): the device chooses it from `plan` (a DevicePlan) among `tiers`, and compact runs
-    the verify under lax.switch over the tiers. cap-accept verifies the whole block and caps
-    acceptance at the planned length; compact packs only the planned windows into `tier` rows.
-    force_accept: bool [], traced (so profiling and decoding share one compiled step per tier);
-    True (profiling only) accepts every verified draft. simulate: None, or the traced (a, b, seed)
-    of `SpecConfig.simulated_acceptance`, whose rule (`simulation.accept`) then decides acceptance
-    in place of the chain rule. Returns (state, emitted [S, T],
-    accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []); a row whose
-    target logits are not finite at a window position up to its last accepted one emits NON_FINITE
-    throughout, a row whose draft logits are not finite verifies no drafts.
-    """
-    s, t = slots.shape[0], window
-    active = slots > 0
-    anchors, ctx_len = state.anchor[slots], state.cache.seq_len[slots]
-    keys = jax.vmap(lambda k: jax.random.split(k, 3))(state.keys[slots])
-    key_draft, key_accept, key_next = keys[:, 0], keys[:, 1], keys[:, 2]
-    params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
-
-    # draft (features score the distribution, never the drawn token: non-anticipation)
-    # one argmax pass and one exp-sum pass give the drafts (greedy), q's normaliser and the feature
-    with jax.named_scope("draft"):
-        draft_logits, proposer_state = proposer.propose(state.proposer, anchors, slots, ctx_len)
-        dist = sampling.draft_distribution(draft_logits[:, : t - 1], params.temperature)
-        drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
-        # [S]: from the row statistics the distribution already holds (no pass over the logits)
-        draft_finite = jnp.all(jnp.isfinite(dist.zmax) & jnp.isfinite(dist.rest), axis=-1)
-        live = active & (anchors != NON_FINITE)  # a NON_FINITE anchor: the request already ended
-    with jax.named_scope("estimator"):
-        features = estimator.distribution_features(dist)
-        _, survival = estimator.predict(state.estimator, features)
-
-    # plan: drafts to verify per request, and the packed layout of the verify
-    tier_index = None
-    if mode == "static":
-        lengths = jnp.full((s,), t - 1, jnp.int32)
-        tier = s * t
-    else:
-        with jax.named_scope("plan"):
-            if tier is None:
-                tier_index = device_tier(plan, active, tiers, t - 1)
-                tier = jnp.asarray(tiers, jnp.int32)[tier_index]
-            budget = tier - jnp.sum(active, dtype=jnp.int32)
-            lengths = planner.plan_lengths(jnp.where(active[:, None], survival, jnp.nan), budget)
-    lengths = jnp.where(active & draft_finite, lengths, 0)
-
-    def verify_commit(layout_tier, cache, proposer_state):
-        """Verify the planned windows in a layout of `layout_tier` tokens (static), accept,
-        commit, and feed the committed rows to the draft."""
-        with jax.named_scope("verify"):
-            tokens, query_start_loc, layout_slots = layout.step_layout(lengths, anchors, drafts, slots, layout_tier)
-            logits, hidden, cache = target_mod.verify(
-                target, cache, tokens, query_start_loc, layout_slots, proposer.taps, impl=impl
-            )
-        with jax.named_scope("accept"):
-            logits = layout.unpack_rows(logits, query_start_loc, t)  # [S, T, vocab]
-            probs, ids = _target_rows(logits, params, greedy, max_top_k)
-            if simulate is None:
-                accepted, bonus, emitted = sampling.accept(
-                    key_accept, probs, ids, drafts, q, lengths, params.temperature
-                )
-            else:
-                accepted, bonus, emitted = simulation.accept(
-                    simulate, key_accept, features, lengths, drafts, probs, ids
-                )
-            accepted = jnp.where(force_accept, lengths, accepted)
-            emitted = jnp.where(_finite_rows(logits, accepted)[:, None], emitted, NON_FINITE)
-        with jax.named_scope("commit"):
-            cache = target_mod.commit(cache, slots, accepted, impl=impl)
-        with jax.named_scope("draft_context"):
-            request, pos, valid = packing.packed_index(query_start_loc, tokens.shape[0])
-            proposer_state = proposer.observe(
-                proposer_state,
-                tokens,
-                hidden,
-                ctx_len[request] + pos,
-                slots[request],
-                valid & (pos <= accepted[request]),
-            )
-        return cache, proposer_state, accepted, bonus, emitted
-
-    if mode != "compact":
-        out = verify_commit(s * t, state.cache, proposer_state)
-    elif tier_index is None:
-        out = verify_commit(tier, state.cache, proposer_state)
-    else:
-        out = jax.lax.switch(tier_index, [partial(verify_commit, tt) for tt in tiers], state.cache, proposer_state)
-    cache, proposer_state, accepted, bonus, emitted = out
-    with jax.named_scope("estimator"):
-        estimator_state = estimator.observe(state.estimator, features, lengths, accepted)
-    state = state.replace(
-        cache=cache,
-        proposer=proposer_state,
-        anchor=state.anchor.at[slots].set(bonus),
-        keys=state.keys.at[slots].set(key_next),
-        estimator=estimator_state,
-        draft_non_finite=state.draft_non_finite + jnp.sum(live & ~draft_finite, dtype=jnp.int32),
-    )
-    return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
-
-
-def _decode(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, tier, greedy, max_top_k, impl):
-    """Mode "none": one target token per request and step (window = the anchor alone; `tier` is
-    always the batch). plan and force_accept are `_step`'s; with no drafts they have no use."""
-    cache = state.cache
-    s = slots.shape[0]
-    keys = jax.vmap(lambda k: jax.random.split(k, 2))(state.keys[slots])
-    params = jax.tree_util.tree_map(lambda x: x[slots], state.sampling)
-    with jax.named_scope("verify"):
-        logits, _, cache = target_mod.verify(
-            target, cache, state.anchor[slots], jnp.arange(s + 1, dtype=jnp.int32), slots, (), impl=impl
-        )
-    with jax.named_scope("accept"):
-        probs, ids = _target_rows(logits[:, None], params, greedy, max_top_k)
-        none = jnp.zeros((s,), jnp.int32)
-        accepted, bonus, emitted = sampling.accept(
-            keys[:, 0], probs, ids, jnp.zeros((s, 0), jnp.int32), None, none, params.temperature
-        )
-        emitted = jnp.where(_finite_rows(logits)[:, None], emitted, NON_FINITE)
-    with jax.named_scope("commit"):
-        cache = target_mod.commit(cache, slots, accepted, impl=impl)
-    state = state.replace(
-        cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1])
-    )
-    return state, emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
-
-
-def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
-    """Prompts into their slots: tokens [R, P] padded, lengths [R] (>= 1), slots [R] (0 = padding row),
-    keys [R, 2] raw, params SamplingParams [R] -> (state, first generated token [R], NON_FINITE where
-    the last prompt position's logits are not finite)."""
-    r, p = tokens.shape
-    taps = proposer.taps if proposer is not None else ()
-    logits, hidden, cache = target_mod.prefill(target, state.cache, tokens, lengths, slots, taps, impl=impl)
-    keys = jax.vmap(jax.random.split)(keys)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, vocab]
-    probs, ids = sampling.target_distribution(last, params, max_top_k)
-    choice = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys[:, 0], probs)
-    sampled = jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]
-    first = jnp.where(params.temperature > 0, sampled, ids[:, 0]).astype(jnp.int32)
-    first = jnp.where(_finite_rows(last), first, NON_FINITE)
-    proposer_state = state.proposer
-    if proposer is not None:
-        pos = jnp.arange(p)[None, :]
-        proposer_state = proposer.observe(
-            proposer_state,
-            tokens.reshape(-1),
-            hidden.reshape((r * p,) + hidden.shape[2:]),
-            jnp.broadcast_to(pos, (r, p)).reshape(-1),
-            jnp.repeat(slots, p),
-            (pos < lengths[:, None]).reshape(-1),
-        )
-    put = lambda arr, x: packing.scatter_slots(arr, slots, x)
-    state = state.replace(
-        cache=cache,
-        proposer=proposer_state,
-        anchor=put(state.anchor, first),
-        keys=put(state.keys, keys[:, 1]),
-        sampling=jax.tree_util.tree_map(put, state.sampling, params),
-    )
-    return state, first
-
-
-@cache
-def _jitted_step(window, mode, max_top_k, impl, tiers, switch):
-    """One jitted step per configuration, shared by every Engine with it (a profiling engine and
-    the decoding engine, or a second engine on the same model, reuse the compiled steps). `switch`
-    only keys the cache: that step is always called with tier None, so its compilations are its own."""
-    if mode == "none":
-        step = partial(_decode, max_top_k=max_top_k, impl=impl)
-    else:
-        step = partial(_step, window=window, mode=mode, max_top_k=max_top_k, impl=impl, tiers=list(tiers))
-    return jax.jit(step, static_argnames=("greedy", "tier"), donate_argnums=(0,))
-
-
-@cache
-def _jitted_prefill(max_top_k, impl):
-    return jax.jit(partial(_prefill, max_top_k=max_top_k, impl=impl), donate_argnums=(0,))
-
-
-class TierPlanner:
-    """The verify tier of each step, model-free: chosen on the host (tier_dispatch "host",
-    `choose_tier`) or handed to the device as a DevicePlan (tier_dispatch "switch",
-    `device_plan`; the step applies the same rule, `device_tier`). An Engine plans through its
-    `tier_planner`; a benchmark can time one alone.
-
-    spec: the engine's SpecConfig (verify_mode, num_slots, num_tiers and the estimator's refit
-    schedule, which sets the warm-up); window: the tokens a request verifies at most (anchor +
-    drafts); cost_table: the profiled CostTable, None or trivial = verify everything.
-    tier_tokens: the tier ladder, `layout.tiers(num_slots, window, num_tiers)`.
-
-    The rows and history the methods read: rows, the request of each slot 1..num_slots (None =
-    idle; compared by identity); old, (rows, survival [num_slots, window - 1]) of the step `lag`
-    steps back, or None; steps_run, the device steps dispatched so far (the warm-up counts them).
-    """
-
-    def __init__(self, spec: SpecConfig, window: int, cost_table: CostTable | None = None):
-        self.spec, self.window, self.cost_table = spec, window, cost_table
-        self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
-        self._costs = None  # (cost table, its device cost matrix, placeholder survivals)
-
-    @property
-    def warmup_steps(self) -> int:
-        """Steps that verify full blocks before compact / cap-accept plan: those before the
-        estimator's `warmup_refits`-th refit (its schedule: `estimator.refit_calls`)."""
-        spec = self.spec
-        refits = estimator.refit_calls(
-            spec.warmup_refits, refit_interval=spec.refit_interval, first_refit=spec.first_refit
-        )
-        return refits[-1] if refits else 0
-
-    def plans(self, old, steps_run: int) -> bool:
-        """Whether the next step plans a budget: not in modes none and static, during warm-up,
-        without the step `lag` back (old is None) or without profiled costs (then it verifies
-        everything)."""
-        return not (
-            self.spec.verify_mode in ("none", "static")
-            or steps_run < self.warmup_steps
-            or old is None
-            or self.cost_table is None
-            or self.cost_table.is_trivial
-        )
-
-    def choose_tier(self, rows, old, steps_run: int) -> int:
-        """The tier tokens of the next step, chosen on the host (`planner.choose_budget` over the
-        ladder's admissible budgets; reads the lagged survival back from the device). The full
-        block unless `plans`; a request that was not in its slot `lag` steps back counts its
-        survivals as 1."""
-        full = self.tier_tokens[-1]
-        if not self.plans(old, steps_run):
-            return full
-        old_rows, old_survival = old
-        old_survival = np.asarray(old_survival)
-        survival = [
-            old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
-            for i, req in enumerate(rows)
-            if req is not None
-        ]  # a newcomer: assume acceptance
-        n = len(survival)
-        admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
-        budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
-        return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
-
-    def device_plan(self, rows, old, steps_run: int) -> DevicePlan:
-        """`choose_tier`'s inputs for the device: nothing is read back; the lagged survivals stay
-        on the device (plan and same go as numpy: the step's call transfers them). The cost
-        matrix is built once per cost table."""
-        s, d = self.spec.num_slots, self.window - 1
-        plans = self.plans(old, steps_run)
-        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
-        if self._costs is None or self._costs[0] is not self.cost_table:
-            costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
-            if self.cost_table is not None and not self.cost_table.is_trivial:
-                for n in range(1, s + 1):
-                    for j, tier in enumerate(self.tier_tokens):
-                        if tier >= n:
-                            costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
-            self._costs = (self.cost_table, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
-        survival = old[1] if plans else self._costs[2]
-        return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
-
-    def forcing(self, tier: int) -> DevicePlan:
-        """A DevicePlan under which the device chooses `tier` (one of `tier_tokens`) whenever its
-        budget fits the active rows (tier - active <= active * (window - 1); else the smallest tier
-        that holds them all): that tier's costs are 1e-9 s, the others' 1e9 s; survivals 1."""
-        s, d = self.spec.num_slots, self.window - 1
-        costs = np.full((s + 1, len(self.tier_tokens)), 1e9, np.float32)
-        costs[:, self.tier_tokens.index(tier)] = 1e-9
-        return DevicePlan(
-            plan=np.asarray(True),
-            survival=jnp.ones((s, d), jnp.float32),
-            same=np.ones((s,), bool),
-            costs=jnp.asarray(costs),
-        )
-
-
 class Engine:
     """Speculative decoding of a GDN-hybrid target with a block draft.
 
@@ -536,8 +178,8 @@ class Engine:
         self._in_flight, self._history = None, collections.deque(maxlen=spec.lag)
         self._next_id, self._news = 0, {}
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
-        self._step = _jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
-        self._prefill = _jitted_prefill(spec.max_top_k, impl)
+        self._step = jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
+        self._prefill = jitted_prefill(spec.max_top_k, impl)
         self.state = self._init_state()
 
     def _init_state(self) -> EngineState:

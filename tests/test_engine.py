@@ -11,7 +11,7 @@ import pytest
 from proposers import OracleProposer, lookup_proposer, random_draft
 
 import jaxspec
-from jaxspec import engine as engine_mod
+from jaxspec import step as step_mod
 from jaxspec.cache import cache_nbytes
 from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
@@ -355,14 +355,14 @@ def test_non_finite_draft_warns_once_and_stays_lossless(model, prompts, referenc
 def test_stats_label_compilation(model, prompts):
     """includes_compilation is True when a step or prefill compiled during the request (fresh step
     factories) and False once they are compiled."""
-    engine_mod._jitted_step.cache_clear()
-    engine_mod._jitted_prefill.cache_clear()
+    step_mod.jitted_step.cache_clear()
+    step_mod.jitted_prefill.cache_clear()
     try:
         engine = Engine(model, random_draft(model, 4), SpecConfig(verify_mode="static", num_slots=2, max_len=96))
         first = engine.generate(prompts[:2], max_new_tokens=8)
         second = engine.generate(prompts[:2], max_new_tokens=8)
     finally:
-        engine_mod._jitted_step.cache_clear()
-        engine_mod._jitted_prefill.cache_clear()
+        step_mod.jitted_step.cache_clear()
+        step_mod.jitted_prefill.cache_clear()
     assert [r.stats["includes_compilation"] for r in first] == [True, True]
     assert [r.stats["includes_compilation"] for r in second] == [False, False]

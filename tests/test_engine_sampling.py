@@ -15,7 +15,7 @@ from proposers import OracleProposer
 from stats import chi2_test
 
 from jaxspec import dflash
-from jaxspec import engine as engine_mod
+from jaxspec import step as step_mod
 from jaxspec import target as target_mod
 from jaxspec.config import DraftConfig, SpecConfig, TargetConfig
 from jaxspec.engine import Engine
@@ -133,18 +133,18 @@ def _bonus_from_p(right):
 
 @pytest.fixture
 def retrace():
-    """Engines share compiled steps (one jit per configuration, cached by engine._jitted_step): a
+    """Engines share compiled steps (one jit per configuration, cached by step.jitted_step): a
     test that patches a function the step traces must trace it afresh, and must not leave its
     patched step behind for later tests. Only the step factory is cleared: the prefill traces none
     of the patched functions (sampling.accept, sampling.sample_draft, planner.plan_lengths), so its
     compiled programs are shared with the unpatched tests, as are the module's forwards."""
-    engine_mod._jitted_step.cache_clear()
+    step_mod.jitted_step.cache_clear()
     yield
-    engine_mod._jitted_step.cache_clear()
+    step_mod.jitted_step.cache_clear()
 
 
 def test_wrong_acceptance_fails_the_same_test(models, joint, monkeypatch, retrace):
-    monkeypatch.setattr(engine_mod.sampling, "accept", _bonus_from_p(engine_mod.sampling.accept))
+    monkeypatch.setattr(step_mod.sampling, "accept", _bonus_from_p(step_mod.sampling.accept))
     pvalues = _pvalues(_sample(_engine(models)), joint)
     assert min(pvalues.values()) < 1e-3, pvalues
 
@@ -188,7 +188,7 @@ def test_compact_sampling_with_the_estimator_is_lossless(models, joint):
 def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, joint, monkeypatch, retrace):
     """Verifying draft 1 only when its sampled value is even anticipates the draft: not lossless."""
     drawn = []
-    sample, plan = engine_mod.sampling.sample_draft, engine_mod.planner.plan_lengths
+    sample, plan = step_mod.sampling.sample_draft, step_mod.planner.plan_lengths
 
     def sample_and_remember(key, q):
         drawn.append(sample(key, q))
@@ -197,7 +197,7 @@ def test_a_planner_that_peeks_at_the_drafts_fails_the_same_test(models, joint, m
     def peeking_plan(survival, budget):
         return jnp.where(drawn[-1][:, 0] % 2 == 0, plan(survival, budget), 0)
 
-    monkeypatch.setattr(engine_mod.sampling, "sample_draft", sample_and_remember)
-    monkeypatch.setattr(engine_mod.planner, "plan_lengths", peeking_plan)
+    monkeypatch.setattr(step_mod.sampling, "sample_draft", sample_and_remember)
+    monkeypatch.setattr(step_mod.planner, "plan_lengths", peeking_plan)
     pvalues = _pvalues(_sample_in_waves(_compact_engine(models)), joint)
     assert min(pvalues.values()) < 1e-3, pvalues

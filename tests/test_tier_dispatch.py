@@ -10,7 +10,7 @@ import pytest
 from flax import struct
 
 import jaxspec
-from jaxspec import engine as engine_mod
+from jaxspec import step as step_mod
 from jaxspec import target as target_mod
 from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
@@ -87,7 +87,7 @@ def test_device_tier_is_the_host_tier(model, table):
     BLOCK = 6  # tiers (3, 8, 16, 18)
     engine = _engine(model, table, "compact", "switch", BLOCK)
     tier_planner, past_warmup = engine.tier_planner, 10**6
-    pick = jax.jit(engine_mod.device_tier, static_argnums=(2, 3))
+    pick = jax.jit(step_mod.device_tier, static_argnums=(2, 3))
     rng = np.random.default_rng(0)
     requests = [object() for _ in range(2 * SLOTS)]
     seen = set()
