@@ -95,9 +95,11 @@ def main(args):
     from jaxspec import dflash, train
     from jaxspec import target as target_mod
     from jaxspec.config import SpecConfig
-    from jaxspec.engine import DevicePlan, Engine, TierPlanner, device_tier
+    from jaxspec.engine import Engine
     from jaxspec.spec import layout, planner
     from jaxspec.spec.planner import CostTable
+    from jaxspec.step import DevicePlan, device_tier
+    from jaxspec.tier_planner import TierPlanner
 
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()

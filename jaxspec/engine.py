@@ -37,8 +37,6 @@ from jaxspec.spec import estimator
 from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
 from jaxspec.step import NON_FINITE, EngineState, jitted_prefill, jitted_step
-from jaxspec.step import DevicePlan as DevicePlan  # re-exported: bench/engine_step.py imports it from here
-from jaxspec.step import device_tier as device_tier  # re-exported: bench/engine_step.py imports it from here
 from jaxspec.target import Target
 from jaxspec.tier_planner import TierPlanner
 
