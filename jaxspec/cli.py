@@ -22,12 +22,7 @@ from jaxspec.argtypes import (
     positive_float,
     positive_int,
 )
-
-# The tiny byte-level models trained by `jaxspec train` and shipped in the repository (models/README.md).
-MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
-DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
-DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
-
+from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET
 
 # What loading or writing a user's file raises (the loaders' errors name the file and the tensor).
 USER_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)

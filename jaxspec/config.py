@@ -514,6 +514,11 @@ class CacheConfig:
             raise bad("ring_len", f"must be >= 2 * window = {2 * self.window} with fold_policy 'lazy'")
 
 
+# The tiny byte-level models trained by `jaxspec train` and shipped in the repository (models/README.md).
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
+DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
+
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
 FIRST_REFIT = 4  # the estimator's first early refit call (`estimator.refit_calls`), by default
 

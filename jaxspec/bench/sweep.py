@@ -79,7 +79,7 @@ SMOKE = dict(
 
 def add_arguments(p):
     from jaxspec.argtypes import non_negative_int, positive_int
-    from jaxspec.cli import DEFAULT_DRAFT, DEFAULT_TARGET
+    from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET
 
     dflt = lambda key: f" (default {DEFAULTS[key]}; --smoke: {SMOKE[key]})"
     p.add_argument("--out", required=True, help="directory for results.json, results.md and the PNGs")
