@@ -224,6 +224,13 @@ def _train_parser(train, common):
         default=4.0,
         help="loss weight of block position k is exp(-(k-1)/gamma)",
     )
+    draft.add_argument(
+        "--labels",
+        choices=("data", "target", "mix"),
+        default="data",
+        help="what block position k learns: the corpus token (data), the frozen target's distribution "
+        "of that token given the corpus prefix (target: distillation), or the mean of the two losses (mix)",
+    )
 
 
 def _train(args, parser):
@@ -318,6 +325,7 @@ def _train(args, parser):
                 config,
                 anchors_per_seq=args.anchors,
                 gamma=args.gamma,
+                labels=args.labels,
                 target_path=os.path.abspath(args.target),
                 **common,
             ),

@@ -26,8 +26,11 @@ of `DraftConfig.target_layer_ids`). Each sequence gets `anchors_per_seq` distinc
 a in [1, T - B]; block n is [token a, MASK x (B-1)] at positions a..a+B-1, attending to the
 fc-projected context at positions < a (the block mask) and bidirectionally to itself: exactly
 what `dflash.propose` computes at inference with ctx_len = a (tests/test_train.py holds the two to
-1e-5). Block position k = 1..B-1 predicts token a + k with loss weight exp(-(k-1)/gamma). The
-target's embedding and lm_head are shared and frozen.
+1e-5). Block position k = 1..B-1 predicts token a + k with loss weight exp(-(k-1)/gamma), learning
+(`labels`) the corpus token a + k ("data", the default), the frozen target's distribution at
+position a + k - 1 of the teacher-forced window ("target": distillation, since speculative
+acceptance is agreement with the target), or the mean of the two losses ("mix"). The target's
+embedding and lm_head are shared and frozen.
 
 Checkpoints are HF-layout directories (config.json + model.safetensors) that
 `jaxspec.load_target` / `jaxspec.load_draft` read, next to `metrics.json` (recipe, corpus, train
@@ -67,6 +70,7 @@ EOS_ID = 256
 MASK_ID = 257
 VOCAB_SIZE = 260
 EVAL_SEED = 1234
+LABEL_MODES = ("data", "target", "mix")  # what a DFlash draft learns (`block_loss`)
 
 # Held out: these modules (single files or packages) and their tests. They exist in every
 # CPython 3.8+ standard library.
@@ -380,12 +384,46 @@ def block_labels(tokens, anchors, block_size):
     return jnp.take_along_axis(tokens[:, None, :], idx, axis=2)
 
 
-def draft_loss(draft_params, draft_config, target, hidden, tokens, anchors, gamma):
-    """Position-weighted mean cross-entropy of the draft over all blocks (nats)."""
-    logits = draft_block_logits(Draft(params=draft_params, config=draft_config), target, hidden, tokens, anchors)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, block_labels(tokens, anchors, draft_config.block_size))
-    w = position_weights(draft_config.block_size, gamma)
+def block_target_probs(target_logits, anchors, block_size):
+    """The target's distribution of token a + k given the corpus prefix up to a + k - 1, for
+    k = 1..B-1: softmax(target_logits[i, a + k - 1]) (temperature 1) -> [b, N, B-1, V] float32.
+    target_logits [b, T, V] are the frozen target's logits of the teacher-forced window
+    (`target_hidden`); position t holds its prediction of token t + 1."""
+    idx = anchors[..., None] + jnp.arange(block_size - 1)  # [b, N, B-1]: the position before a + k
+    rows = jax.vmap(lambda lg, i: lg[i])(target_logits, idx)  # [b, N, B-1, V]
+    return jax.nn.softmax(rows.astype(jnp.float32), axis=-1)
+
+
+def block_loss(logits, tokens, anchors, gamma, labels="data", target_logits=None):
+    """Position-weighted mean cross-entropy (nats) of draft block logits [b, N, B-1, V] (row k - 1
+    predicts token a + k): sum_k w_k ce_k / sum_k w_k averaged over blocks, w_k = exp(-(k-1)/gamma).
+
+    labels: "data", ce against the corpus token a + k (`block_labels`); "target", ce against the
+    frozen target's distribution `block_target_probs` (needs target_logits [b, T, V]); "mix", the
+    mean of the two, which (ce being linear in the label distribution) is ce against
+    0.5 one-hot(data) + 0.5 target distribution."""
+    if labels not in LABEL_MODES:
+        raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}")
+    if labels != "data" and target_logits is None:
+        raise ValueError(f"labels={labels!r} needs the target's logits")
+    blk = logits.shape[2] + 1
+    logits = logits.astype(jnp.float32)
+    ce = 0.0
+    if labels in ("data", "mix"):
+        ce_data = optax.softmax_cross_entropy_with_integer_labels(logits, block_labels(tokens, anchors, blk))
+        ce = ce + (0.5 if labels == "mix" else 1.0) * ce_data
+    if labels in ("target", "mix"):
+        ce_target = optax.softmax_cross_entropy(logits, block_target_probs(target_logits, anchors, blk))
+        ce = ce + (0.5 if labels == "mix" else 1.0) * ce_target
+    w = position_weights(blk, gamma)
     return jnp.mean(jnp.sum(ce * w, axis=-1) / jnp.sum(w))
+
+
+def draft_loss(draft_params, draft_config, target, hidden, tokens, anchors, gamma, labels="data", target_logits=None):
+    """`block_loss` of the draft's training forward over all blocks (nats); target_logits: the
+    first output of `target_hidden` on the same tokens (needed unless labels == "data")."""
+    logits = draft_block_logits(Draft(params=draft_params, config=draft_config), target, hidden, tokens, anchors)
+    return block_loss(logits, tokens, anchors, gamma, labels, target_logits)
 
 
 def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, block_size: int, num: int) -> np.ndarray:
@@ -481,10 +519,19 @@ def _write_metrics(out_dir, metrics, title):
     except ImportError:  # plotting is an optional extra
         return
     fig, ax = plt.subplots(figsize=(6, 4))
+    # a draft trained on other labels than the data's plots the held-out loss of its own labels
+    labels = metrics["recipe"].get("labels", "data")
+    held = {
+        "data": lambda r: r["loss"],
+        "target": lambda r: r["loss_target"],
+        "mix": lambda r: 0.5 * (r["loss"] + r["loss_target"]),
+    }[labels]
+    suffix = "" if labels == "data" else f" (labels: {labels})"
     if metrics["train"]:
-        ax.plot([r["step"] for r in metrics["train"]], [r["loss"] for r in metrics["train"]], label="train")
+        ax.plot([r["step"] for r in metrics["train"]], [r["loss"] for r in metrics["train"]], label="train" + suffix)
     if metrics["eval"]:
-        ax.plot([r["step"] for r in metrics["eval"]], [r["loss"] for r in metrics["eval"]], "o-", label="held-out")
+        steps = [r["step"] for r in metrics["eval"]]
+        ax.plot(steps, [held(r) for r in metrics["eval"]], "o-", label="held-out" + suffix)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)
@@ -756,8 +803,10 @@ def train_target(
 
 
 def draft_eval_metrics(draft_params, draft_config, target, tokens, anchors, gamma):
-    """Held-out numbers of one batch: the weighted loss, per-position accuracy against the data,
-    and acceptance-length estimates (1 + the expected run of correct leading drafts) against the
+    """Held-out numbers of one batch, the same whatever labels the draft trained on: the weighted
+    loss against the data ("loss") and against the target's distribution ("loss_target", the
+    `block_loss` of labels "data" and "target"), per-position accuracy against the data, and
+    acceptance-length estimates (1 + the expected run of correct leading drafts) against the
     data and against the target's greedy prediction on the data prefix (teacher forced, so an
     estimate of greedy-decoding acceptance, not a measurement)."""
     logits_t, hidden = target_hidden(target, tokens, draft_config.target_layer_ids)
@@ -765,8 +814,6 @@ def draft_eval_metrics(draft_params, draft_config, target, tokens, anchors, gamm
     logits = draft_block_logits(draft, target, hidden, tokens, anchors)
     blk = draft_config.block_size
     labels = block_labels(tokens, anchors, blk)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    w = position_weights(blk, gamma)
     pred = jnp.argmax(logits, axis=-1)
     correct = pred == labels  # [b, N, B-1]
     greedy = jnp.argmax(logits_t, axis=-1)  # target's next token at each position
@@ -774,7 +821,8 @@ def draft_eval_metrics(draft_params, draft_config, target, tokens, anchors, gamm
     agree = pred == jnp.take_along_axis(greedy[:, None, :], idx, axis=2)
     run = lambda ok: 1.0 + jnp.mean(jnp.sum(jnp.cumprod(ok.astype(jnp.float32), axis=-1), axis=-1))
     return {
-        "loss": jnp.mean(jnp.sum(ce * w, axis=-1) / jnp.sum(w)),
+        "loss": block_loss(logits, tokens, anchors, gamma, "data"),
+        "loss_target": block_loss(logits, tokens, anchors, gamma, "target", logits_t),
         "accuracy_per_position": jnp.mean(correct, axis=(0, 1)),
         "accept_len_data": run(correct),
         "accept_len_target": run(agree),
@@ -806,14 +854,18 @@ def train_draft(
     progress: bool = True,
     target_path: str | None = None,
     time_limit: float | None = None,
+    labels: str = "data",
 ):
     """Train a DFlash draft against the frozen `target`; returns (Draft with float32 params, metrics).
 
     draft_config: default `tiny_draft_config(target.config)`. Each step: windows [batch, seq_len],
-    the target's taps, `anchors_per_seq` distinct anchors per window, the loss of
-    `draft_loss` (block position k weighted exp(-(k-1)/gamma)). Held-out evaluation adds
-    per-position accuracy and acceptance-length estimates (`draft_eval_metrics`). Other
-    arguments as `train_target`.
+    the target's taps and logits, `anchors_per_seq` distinct anchors per window, the loss of
+    `draft_loss` (block position k weighted exp(-(k-1)/gamma)). labels (`LABEL_MODES`, recorded
+    in the recipe): what block position k learns, "data" the corpus token a + k, "target" the
+    frozen target's distribution at position a + k - 1 (distillation: speculative acceptance is
+    agreement with the target), "mix" the mean of the two losses (`block_loss`). Held-out
+    evaluation is the same for every labels mode: both losses, per-position accuracy and
+    acceptance-length estimates (`draft_eval_metrics`). Other arguments as `train_target`.
     """
     tc = target.config
     draft_config = draft_config or tiny_draft_config(tc)
@@ -839,6 +891,8 @@ def train_draft(
         )
     if not gamma > 0:
         raise ValueError(f"gamma={gamma!r}: must be > 0")
+    if labels not in LABEL_MODES:
+        raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}")
     if seq_len > tc.max_position_embeddings:
         raise ValueError(f"seq_len={seq_len}: must be <= max_position_embeddings={tc.max_position_embeddings}")
     rng = np.random.default_rng(seed)
@@ -854,6 +908,7 @@ def train_draft(
         "seq_len": seq_len,
         "anchors_per_seq": anchors_per_seq,
         "gamma": gamma,
+        "labels": labels,
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
@@ -873,8 +928,8 @@ def train_draft(
     taps = c.target_layer_ids
 
     def loss_fn(p, tgt, tokens, anchors):
-        _, hidden = target_hidden(tgt, tokens, taps)
-        return draft_loss(_cast(p, compute), c, tgt, hidden, tokens, anchors, gamma)
+        logits_t, hidden = target_hidden(tgt, tokens, taps)  # logits_t unused (dead code) for "data"
+        return draft_loss(_cast(p, compute), c, tgt, hidden, tokens, anchors, gamma, labels, logits_t)
 
     def step(p, s, tgt, tokens, anchors, rate):
         loss, grads = jax.value_and_grad(loss_fn)(p, tgt, tokens, anchors)
@@ -905,6 +960,7 @@ def train_draft(
         mean = {k: np.mean([o[k] for o in out], axis=0) for k in out[0]}
         return {
             "loss": float(mean["loss"]),
+            "loss_target": float(mean["loss_target"]),
             "accept_len_data": float(mean["accept_len_data"]),
             "accept_len_target": float(mean["accept_len_target"]),
             "accuracy_per_position": [round(float(x), 4) for x in mean["accuracy_per_position"]],
