@@ -142,13 +142,15 @@ def test_verify_commit_matches_the_layer_list(models, impl):
         out[layout].append(state)
     # float32 both ways, but XLA orders a scan body's float32 sums differently from a layer loop's:
     # the two drift apart by ~2e-7 after layer 0 to <= 6e-5 of max after 8 (measured 2026-12-05;
-    # the list path jitted vs eager alone differs by 8e-6). A wrong layer index differs by O(1).
+    # the list path jitted vs eager alone differs by 8e-6); on an H100 the logits of step 0 drift
+    # by 3.1e-4 (impl "ref", 2026-12-05: GPU fusions reorder more). A wrong layer index differs by O(1).
+    tol = 2e-4 if jax.default_backend() == "cpu" else 1e-3
     for step, (got, want) in enumerate(zip(out["stacked"][:2], out["list"][:2])):
-        assert _rel(got[0], want[0]) <= 2e-4, f"step {step} logits"
-        assert _rel(got[1], want[1]) <= 2e-4, f"step {step} hidden"
+        assert _rel(got[0], want[0]) <= tol, f"step {step} logits"
+        assert _rel(got[1], want[1]) <= tol, f"step {step} hidden"
     got, want = out["stacked"][2], out["list"][2]
     for field in ("ckpt", "ring_k", "ring_g", "conv_state", "conv_window", "k_cache", "v_cache"):
-        assert _rel(getattr(got, field), getattr(want, field)) <= 2e-4, field
+        assert _rel(getattr(got, field), getattr(want, field)) <= tol, field
     for field in ("write_pos", "seq_len"):
         assert np.array_equal(getattr(got, field), getattr(want, field)), field
 
