@@ -90,6 +90,12 @@ def _parser():
         help="verify window (anchor + block_size - 1 drafts; default: the draft's block)",
     )
     gen.add_argument(
+        "--tp",
+        type=positive_int("--tp"),
+        default=1,
+        help="split the target over this many devices (tensor parallelism: SpecConfig.tp)",
+    )
+    gen.add_argument(
         "--trim-draft",
         action="store_true",
         help="run the draft's forward over the verify window only, not its whole block "
@@ -416,6 +422,7 @@ def _speed_ups(stats, base) -> str:
 
 
 def _generate(args, parser):
+    from jaxspec import parallel
     from jaxspec.config import SpecConfig
     from jaxspec.dflash import load_draft
     from jaxspec.engine import Engine
@@ -439,6 +446,9 @@ def _generate(args, parser):
     with parser.blame("--target"):
         target = load_target(args.target)
         tokenizer = load_tokenizer(args.target)
+    with parser.blame("--tp"):
+        parallel.check_tp(target.config, args.tp, "")
+        parallel.tp_mesh(args.tp, field="")
     prompts = _encode_prompts(parser, args.prompt, tokenizer)
     draft = None
     if args.draft and args.verify_mode != "none":
@@ -457,6 +467,7 @@ def _generate(args, parser):
             max_len=args.max_len,
             block_size=args.block_size if mode != "none" else None,
             trim_draft=args.trim_draft and mode != "none",
+            tp=args.tp,
         )
         engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
         _check_lengths(parser, args, prompts, engine.window)
@@ -515,20 +526,21 @@ def _generate(args, parser):
             same = "the same tokens" if base.tokens == r.tokens else "different tokens"
             print(
                 f"[none: {len(base.tokens)} tokens, {base.stats['steps']} steps, {_speed(base.stats)} ({same}); "
-                f"{_speed_ups(r.stats, base.stats)} on {_device_name()}]",
+                f"{_speed_ups(r.stats, base.stats)} on {_device_name(args.tp)}]",
                 file=sys.stderr,
             )
     return 1 if failed else 0
 
 
-def _device_name() -> str:
-    """The device decoding ran on, for a printed speed: its kind (a GPU's name), and the CPU's core count."""
+def _device_name(tp: int = 1) -> str:
+    """The devices decoding ran on, for a printed speed: their kind (a GPU's name) and count, or
+    the CPU's core count."""
     import jax
 
     device = jax.devices()[0]
     if device.platform == "cpu":
         return f"the CPU ({os.cpu_count()} cores)"
-    return device.device_kind
+    return device.device_kind if tp == 1 else f"{tp} x {device.device_kind}"
 
 
 def _profile(args, parser):

@@ -674,6 +674,7 @@ class SpecConfig:
         requests take several calls), so the prefill compiles once per prompt-length bucket.
     simulated_acceptance: None (always, unless a benchmark asks), or a `SimulatedAcceptance`
         that replaces the acceptance decision (benchmarks of random-weight models only).
+    tp: devices the target is split over (tensor parallelism, jaxspec.parallel); 1 = one device.
     """
 
     verify_mode: str = "static"
@@ -693,6 +694,7 @@ class SpecConfig:
     warmup_refits: int = 4
     prefill_rows: int | None = None
     simulated_acceptance: SimulatedAcceptance | None = None
+    tp: int = 1
 
     def __post_init__(self):
         def bad(field, rule):
@@ -700,7 +702,7 @@ class SpecConfig:
 
         if self.verify_mode not in VERIFY_MODES:
             raise bad("verify_mode", f"must be one of {VERIFY_MODES}")
-        for field in ("num_slots", "max_len", "max_top_k"):
+        for field in ("num_slots", "max_len", "max_top_k", "tp"):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "must be a positive int")
         if self.block_size is not None and (not _is_int(self.block_size) or not 2 <= self.block_size <= 64):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import cache as cache_mod
+from jaxspec import parallel
 from jaxspec.config import SpecConfig
 from jaxspec.dflash import Draft
 from jaxspec.ops.sampling import SamplingParams
@@ -140,6 +141,14 @@ class Engine:
     ):
         if tier_dispatch not in ("host", "switch"):
             raise ValueError(f"tier_dispatch={tier_dispatch!r}: must be 'host' or 'switch'")
+        self.mesh = None
+        if spec.tp > 1:
+            self.mesh = parallel.tp_mesh(spec.tp)
+            target = parallel.shard_target(target, self.mesh)
+            if draft is not None:
+                draft = parallel.place(draft, self.mesh)
+            if proposer is not None:
+                proposer = parallel.place(proposer, self.mesh)
         if proposer is None and draft is not None:
             proposer = DFlashProposer(draft, target, impl=impl)
         mode = spec.verify_mode
@@ -179,11 +188,13 @@ class Engine:
         self._step = jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
         self._prefill = jitted_prefill(spec.max_top_k, impl)
         self.state = self._init_state()
+        if self.mesh is not None:
+            self._step, self._prefill = (parallel.OnMesh(f, self.mesh) for f in (self._step, self._prefill))
 
     def _init_state(self) -> EngineState:
         s1 = self.spec.num_slots + 1
         speculative = self.proposer is not None
-        return EngineState(
+        state = EngineState(
             cache=cache_mod.init_cache(self.target.config, self.cache_config),
             proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
             estimator=estimator.init(
@@ -196,6 +207,7 @@ class Engine:
             sampling=SamplingParams.create(s1),
             draft_non_finite=jnp.zeros((), jnp.int32),
         )
+        return state if self.mesh is None else parallel.place(state, self.mesh, parallel.state_specs(state))
 
     @property
     def cost_table(self) -> CostTable | None:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec import parallel
 from jaxspec import target as target_mod
 from jaxspec.cache import CacheState
 from jaxspec.ops import packing, sampling
@@ -217,7 +218,7 @@ def _step(
         estimator=estimator_state,
         draft_non_finite=state.draft_non_finite + jnp.sum(live & ~draft_finite, dtype=jnp.int32),
     )
-    return state, emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
+    return parallel.constrain_state(state), emitted, accepted, lengths, features, survival, jnp.asarray(tier, jnp.int32)
 
 
 def _decode(state: EngineState, target: Target, proposer, slots, plan, force_accept, *, tier, greedy, max_top_k, impl):
@@ -243,7 +244,7 @@ def _decode(state: EngineState, target: Target, proposer, slots, plan, force_acc
     state = state.replace(
         cache=cache, anchor=state.anchor.at[slots].set(bonus), keys=state.keys.at[slots].set(keys[:, 1])
     )
-    return state, emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
+    return parallel.constrain_state(state), emitted, accepted, none, None, None, jnp.asarray(s, jnp.int32)
 
 
 def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slots, keys, params, *, max_top_k, impl):
@@ -279,7 +280,7 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
         keys=put(state.keys, keys[:, 1]),
         sampling=jax.tree_util.tree_map(put, state.sampling, params),
     )
-    return state, first
+    return parallel.constrain_state(state), first
 
 
 @cache

@@ -29,10 +29,17 @@ from jaxspec.weights import load_config, load_params, param_shapes
 
 @struct.dataclass
 class Target:
-    """Parameters (layout: jaxspec.weights) and the static config of a target model."""
+    """Parameters (layout: jaxspec.weights) and the static config of a target model.
+
+    qkv_groups: the GDN conv channels (qkv columns, conv rows, conv state) are ordered as
+    qkv_groups consecutive groups [q_i | k_i | v_i], group i holding the i-th qkv_groups-th of the
+    key and value heads: 1 is the checkpoint's order [q | k | v]; a tensor-parallel target
+    (jaxspec.parallel.shard_target) has one group per device, so a device's channels are contiguous.
+    """
 
     params: dict
     config: TargetConfig = struct.field(pytree_node=False)
+    qkv_groups: int = struct.field(pytree_node=False, default=1)
 
     @property
     def dtype(self):
@@ -100,11 +107,17 @@ def _gdn_in(p, cfg, x):
     return dense(x, p["qkv"]), dense(x, p["z"]).reshape(x.shape[:-1] + (hv, vd)), g, beta
 
 
-def _gdn_split(cfg, y):
-    """Conv output [..., C] -> q̂ [..., H, K] (l2norm, K^-1/2), k̂ [..., H, K], v [..., HV, V]."""
+def _gdn_split(cfg, y, groups):
+    """Conv output [..., C] in `groups` groups (Target.qkv_groups) -> q̂ [..., H, K] (l2norm,
+    K^-1/2), k̂ [..., H, K], v [..., HV, V]."""
     h, kd = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     lead = y.shape[:-1]
-    q, k, v = jnp.split(y, [h * kd, 2 * h * kd], axis=-1)
+    if groups == 1:
+        q, k, v = jnp.split(y, [h * kd, 2 * h * kd], axis=-1)
+    else:
+        y = y.reshape(lead + (groups, -1))  # [..., groups, C / groups]
+        parts = jnp.split(y, [h * kd // groups, 2 * h * kd // groups], axis=-1)
+        q, k, v = (part.reshape(lead + (-1,)) for part in parts)
     q = gdn.l2norm(q.reshape(lead + (h, kd))) * kd**-0.5
     k = gdn.l2norm(k.reshape(lead + (h, kd)))
     return q, k, v.reshape(lead + (cfg.linear_num_value_heads, cfg.linear_value_head_dim))
@@ -274,7 +287,7 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl):
                 def mixer(xn, p=layer["gdn"]):
                     qkv, z, g_, beta = _gdn_in(p, cfg, xn)
                     y, conv_state = conv.conv_prefill(qkv, p["conv"], lengths, impl=impl)
-                    q, k, v = _gdn_split(cfg, y)
+                    q, k, v = _gdn_split(cfg, y, target.qkv_groups)
                     h0 = jnp.zeros(v.shape[:1] + (v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
                     o, h = gdn.gdn_chunked(q, k, v, g_, beta, h0, lengths, impl=impl)
                     gdn_states.append((conv_state, h))
@@ -383,7 +396,7 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
                         layer=gi,
                         impl=impl,
                     )
-                    q, k, v = _gdn_split(cfg, y)
+                    q, k, v = _gdn_split(cfg, y, target.qkv_groups)
                     o, state["ring_k"], state["ring_u"], state["ring_g"] = gdn.gdn_verify(
                         q,
                         k,

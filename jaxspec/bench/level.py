@@ -41,6 +41,7 @@ def spec_config(mode, concurrency, cfg, workload, sim=None):
         prefill_rows=cfg["prefill_rows"],
         refit_interval=cfg["refit_interval"],
         simulated_acceptance=sim,
+        tp=cfg.get("tp", 1),
     )
 
 

@@ -148,6 +148,9 @@ def add_arguments(p):
     )
     p.add_argument("--num-tiers", type=positive_int("--num-tiers"), help="compact's verify tiers" + dflt("num_tiers"))
     p.add_argument(
+        "--tp", type=positive_int("--tp"), default=1, help="split the target over this many devices (SpecConfig.tp)"
+    )
+    p.add_argument(
         "--refit-interval",
         type=positive_int("--refit-interval"),
         help="estimator refit interval (steps)" + dflt("refit_interval"),
@@ -230,6 +233,7 @@ def _config(args, parser) -> dict:
         "repeats": args.repeats,
         "prefill_rows": args.prefill_rows,
         "num_tiers": args.num_tiers,
+        "tp": args.tp,
         "refit_interval": args.refit_interval,
         "profile_repeats": args.profile_repeats,
         "host_turns": args.host_turns,
@@ -314,8 +318,13 @@ def run(args, parser, argv) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     dev = jax.devices()[0]
-    device = f"{dev.platform}:{dev.device_kind}"
+    device = f"{dev.platform}:{dev.device_kind}" + (f" x {cfg['tp']}" if cfg["tp"] > 1 else "")
     work = _workload(cfg, args)
+    from jaxspec import parallel
+
+    with parser.blame("--tp"):
+        parallel.check_tp(work.target.config, cfg["tp"], "")
+        parallel.tp_mesh(cfg["tp"], field="")
     print(f"{work.key}: models and prompts ready in {time.time() - t_start:.1f} s", flush=True)
     settings = _settings(work, cfg)
     for s in settings:

@@ -8,8 +8,9 @@ tokens leave garbage past seq_len that later windows overwrite; seq_len decides 
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxspec.ops import packing
+from jaxspec.ops import packing, tp
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import attention_verify as attention_verify_kernel
 
@@ -74,6 +75,14 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     caches are the layer stacks [A, S1, M, KVH, D] and that layer is read: the kernel reads the
     stack in place (a layer slice handed to a kernel is a copy of the whole layer cache).
     """
+    if tp.size() > 1:
+        layer_arg = tp.layer_arg(layer)
+        return tp.per_shard(
+            lambda *a: attention_verify(*a[:6], t_max, layer=(a[6:] or (None,))[0], impl=impl),
+            (q, k_cache, v_cache, seq_lens, query_start_loc, slots, *layer_arg),
+            (tp.split(3, 1), tp.split(k_cache.ndim, -2), tp.split(v_cache.ndim, -2)) + (P(),) * (3 + len(layer_arg)),
+            tp.split(3, 1),
+        )
     if use_kernel(
         "attention_verify",
         impl,

@@ -8,8 +8,9 @@ request instead of T windows); commit takes one slice of that row at offset a + 
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxspec.ops import packing
+from jaxspec.ops import packing, tp
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import conv as pallas_conv
 
@@ -49,6 +50,15 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, l
     stacks over the GDN layers ([G, S1, ...]); the returned window is then the stack with that layer's rows written. The
     kernel reads and writes the stacks in place (a per-layer slice handed to a kernel is a copy).
     """
+    if tp.size() > 1:
+        layer_arg = tp.layer_arg(layer)
+        return tp.per_shard(
+            lambda *a: conv_verify(*a[:6], layer=(a[6:] or (None,))[0], impl=impl),
+            (x, conv_state, conv_window, weight, query_start_loc, slots, *layer_arg),
+            (tp.split(2, 1), tp.split(conv_state.ndim, -1), tp.split(conv_window.ndim, -1), tp.split(2, 0))
+            + (P(),) * (2 + len(layer_arg)),
+            (tp.split(2, 1), tp.split(conv_window.ndim, -1)),
+        )
     if use_kernel(
         "conv_verify",
         impl,

@@ -15,8 +15,9 @@ or a (hi, lo) pair of bfloat16 arrays with u ~= hi + lo, gates [HV, L] float32.
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxspec.ops import packing
+from jaxspec.ops import packing, tp
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import fold as pallas_fold
 from jaxspec.pallas import gdn_chunked as pallas_chunked
@@ -143,6 +144,15 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
     Shapes as gdn_recurrent; lengths [B] or None (all T). Positions t >= lengths[b] leave the
     state unchanged and output 0. Returns (o [B, T, HV, V] float32, h [B, HV, K, V] float32).
     """
+    if tp.size() > 1:
+        lens = () if lengths is None else (lengths,)
+        heads = tp.split(4, 2)
+        return tp.per_shard(
+            lambda *a: gdn_chunked(*a[:6], *(a[6:] or (None,)), chunk=chunk, impl=impl),
+            (q, k, v, g, beta, h0, *lens),
+            (heads, heads, heads, tp.split(3, 2), tp.split(3, 2), tp.split(4, 1)) + (P(),) * len(lens),
+            (heads, tp.split(4, 1)),
+        )
     if use_kernel("gdn_chunked", impl, lambda: pallas_chunked.supports(q, k, v, g, beta, h0, lengths)):
         return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)  # its own chunk size
     b, t, hv, _ = v.shape
@@ -193,6 +203,19 @@ def gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records, *, impl="auto"):
     num_records [S1] int32. The optional leading axis is the GDN layer: all layers in one call.
     Returns the new checkpoint in ckpt's dtype; a slot with 0 records is unchanged.
     """
+    if tp.size() > 1:
+        return tp.per_shard(
+            lambda *a: gdn_fold(*a, impl=impl),
+            (ckpt, ring_k, ring_u, ring_g, num_records),
+            (
+                tp.split_like(ckpt, -3),
+                tp.split_like(ring_k, -3),
+                tp.split_like(ring_u, -3),
+                tp.split_like(ring_g, -2),
+                P(),
+            ),
+            tp.split_like(ckpt, -3),
+        )
     if use_kernel("gdn_fold", impl, lambda: pallas_fold.supports(ckpt, ring_k, ring_u, ring_g, num_records)):
         return pallas_fold.gdn_fold(ckpt, ring_k, ring_u, ring_g, num_records)
     updates = read_updates(ring_u)
@@ -259,6 +282,18 @@ def gdn_verify(
     written. The kernel reads and writes the stacks in place (a per-layer slice passed to a kernel
     is a copy XLA must make, and writing it back is another).
     """
+    if tp.size() > 1:
+        rings = (tp.split_like(ring_k, -3), tp.split_like(ring_u, -3), tp.split_like(ring_g, -2))
+        return tp.per_shard(
+            lambda *a: gdn_verify(*a[:12], t_max, layer=(a[12:] or (None,))[0], impl=impl),
+            (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, *tp.layer_arg(layer)),
+            (tp.split(3, 1),) * 3
+            + (tp.split(2, 1),) * 2
+            + (tp.split_like(ckpt, -3),)
+            + rings
+            + (P(),) * (3 + len(tp.layer_arg(layer))),
+            (tp.split(3, 1),) + rings,
+        )
     args = (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max)
     if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args, layer=layer)):
         return pallas_verify.gdn_verify(*args, layer=layer)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec.ops import tp
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import topk as pallas_topk
 
@@ -88,9 +89,28 @@ def top_k(logits, k, *, impl="auto"):
     bfloat16 with k <= 64 and vocab <= 2**20 (`pallas_topk.supports`); impl="auto" runs the reference
     on any other call (slower, never wrong), impl="pallas" raises on it.
     """
+    n = tp.size()
+    vocab = logits.shape[-1]
+    if n > 1 and vocab % n == 0 and k <= vocab // n:
+        return _top_k_over_shards(logits, k, n, impl)
     if use_kernel("top_k", impl, lambda: pallas_topk.supports(logits, k)):
         return pallas_topk.top_k(logits, k)
     return jax.lax.top_k(logits, k)
+
+
+def _top_k_over_shards(logits, k, n, impl):
+    """top_k of vocabulary-split logits: each device's k best of its V/n ids, then the k best of the
+    n*k candidates (shard order is id order, so ties still go to the lower id)."""
+    local = logits.shape[-1] // n
+
+    def shard_top_k(x):
+        values, ids = top_k(x, k, impl=impl)
+        return values, ids + jax.lax.axis_index(tp.AXIS) * local
+
+    spec = tp.split(logits.ndim, -1)
+    values, ids = tp.per_shard(shard_top_k, (logits,), (spec,), (spec, spec))
+    best, pick = jax.lax.top_k(values, k)
+    return best, jnp.take_along_axis(ids, pick, axis=-1)
 
 
 def target_distribution(logits, params, max_top_k, *, impl="auto"):
