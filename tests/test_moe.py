@@ -201,6 +201,7 @@ def test_routed_experts_match_float64_oracle(t, n_experts, top_k, norm):
     weights, experts = jax.jit(moe.route, static_argnums=(2, 3))(x, router, top_k, norm)
     valid = jnp.ones(t, bool)
     ragged = np.asarray(jax.jit(moe.moe_ragged)(x, weights, experts, gate_up, down, valid))
+    gathered = np.asarray(jax.jit(moe.moe_gathered)(x, weights, experts, gate_up, down, valid))
     ref = np.asarray(jax.jit(moe.moe_reference)(x, weights, experts, gate_up, down, valid))
     want = oracle_moe(x, router, gate_up, down, top_k, norm)
     scale = np.abs(want).max()
@@ -208,8 +209,10 @@ def test_routed_experts_match_float64_oracle(t, n_experts, top_k, norm):
     # each other, relative to max|oracle| (float32 rounding of ~30-term dot products); tolerance
     # 4x that. A wrong expert, weight or renormalisation is an O(1) error.
     assert np.abs(ragged - want).max() <= 1e-6 * scale
+    assert np.abs(gathered - want).max() <= 1e-6 * scale
     assert np.abs(ref - want).max() <= 1e-6 * scale
     assert np.abs(ragged - ref).max() <= 1e-6 * scale
+    assert np.abs(gathered - ref).max() <= 1e-6 * scale
 
 
 def test_bf16_paths_agree():
@@ -221,12 +224,15 @@ def test_bf16_paths_agree():
     assert weights.dtype == jnp.bfloat16
     valid = jnp.ones(19, bool)
     ragged = np.asarray(moe.moe_ragged(x, weights, experts, gate_up, down, valid), np.float32)
+    gathered = np.asarray(moe.moe_gathered(x, weights, experts, gate_up, down, valid), np.float32)
     ref = np.asarray(moe.moe_reference(x, weights, experts, gate_up, down, valid), np.float32)
     want = oracle_moe(x, router, gate_up, down, 2, True)
     # measured 2026-12-05: paths 4.8e-3 apart, 3.6e-3 (ragged) and 8.1e-3 (reference) from float64,
     # of max|oracle| (bf16 keeps 8 bits); tolerances ~5x
     assert np.abs(ragged - ref).max() <= 2.5e-2 * np.abs(want).max()
+    assert np.abs(gathered - ref).max() <= 2.5e-2 * np.abs(want).max()
     assert np.abs(ragged - want).max() <= 4e-2 * np.abs(want).max()
+    assert np.abs(gathered - want).max() <= 4e-2 * np.abs(want).max()
 
 
 def test_invalid_rows_route_nowhere_and_non_finite_rows_stay_put():
@@ -240,7 +246,7 @@ def test_invalid_rows_route_nowhere_and_non_finite_rows_stay_put():
     weights, experts = moe.route(x, router, 2, True)
     clean_x = x.at[1].set(0.0).at[4].set(0.0).at[6].set(0.0)
     clean_w, clean_e = moe.route(clean_x, router, 2, True)
-    for fn in (moe.moe_ragged, moe.moe_reference):
+    for fn in (moe.moe_ragged, moe.moe_gathered, moe.moe_reference):
         out = np.asarray(fn(x, weights, experts, gate_up, down, valid))
         clean = np.asarray(fn(clean_x, clean_w, clean_e, gate_up, down, valid))
         assert np.all(out[~np.asarray(valid)] == 0.0), fn.__name__
@@ -546,3 +552,17 @@ def test_bad_moe_configs_name_the_field(change, field):
 def test_bad_moe_fields_name_the_field(models, change, field):
     with pytest.raises(ValueError, match=rf"TargetConfig\.{field}="):
         dataclasses.replace(models["qwen3_next"].config, **change)
+
+
+@pytest.mark.parametrize(
+    "t,n_experts,top_k,path", [(1, 9, 3, "gathered"), (2, 9, 3, "ragged")], ids=["few-pairs", "many-pairs"]
+)
+def test_auto_gathers_only_when_few_pairs(t, n_experts, top_k, path):
+    """impl "auto" takes the gathered path iff 3·T·k <= E (it reads fewer weight bytes), bit for bit."""
+    rng = np.random.default_rng(seed_of("moe-auto", t))
+    x, router, gate_up, down = random_moe(rng, t, 16, n_experts, 8)
+    weights, experts = moe.route(x, router, top_k, True)
+    valid = jnp.ones(t, bool)
+    got = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="auto"))
+    fn = moe.moe_gathered if path == "gathered" else moe.moe_ragged
+    np.testing.assert_array_equal(got, np.asarray(fn(x, weights, experts, gate_up, down, valid)))

@@ -15,8 +15,12 @@ ours: the k weighted expert outputs and the gated shared expert are summed in fl
 once to the activation dtype (transformers adds them in the activation dtype, expert by expert;
 the same thing in float32).
 
-Two implementations of the routed experts, picked by `impl` like every op (ops/dispatch.py):
-- `moe_ragged` (impl "auto" / "pallas"; there is no Pallas kernel): the T·k (token, expert)
+Three implementations of the routed experts, picked by `impl` like every op (ops/dispatch.py):
+- `moe_gathered` (impl "auto" / "pallas" when 3·T·k <= E: decode and small verify windows): each
+  (token, expert) pair's weights gathered, then batched matrix-vector products. It reads the T·k
+  routed experts (a gather and a product: ~3 passes over them) where XLA's GPU `ragged_dot` reads
+  every expert's weights whatever the routing (measured: bench/RESULTS.md, MoE rows).
+- `moe_ragged` (impl "auto" / "pallas" above that; there is no Pallas kernel): the T·k (token, expert)
   pairs sorted by expert id, two `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the
   k results of a token combined in float32. No capacity limit: a group is as long as its expert's
   tokens. Rows with valid = False go to a null group past the E real ones (sorted last, outside
@@ -86,6 +90,28 @@ def moe_ragged(x, weights, experts, gate_up, down, valid):
     return out.astype(x.dtype)
 
 
+def _dense_precision(dtype):
+    """(precision, preferred_element_type) as `linear.dense`: float32 at HIGHEST, else bf16 products."""
+    return (HIGHEST, jnp.float32) if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else (None, None)
+
+
+def moe_gathered(x, weights, experts, gate_up, down, valid):
+    """Routed experts by gathering each (token, expert) pair's weights. Same arguments and result
+    as `moe_ragged` (each product rounded to x.dtype, the k outputs combined in float32)."""
+    t, k = experts.shape
+    prec, acc = _dense_precision(x.dtype)
+    pairs = experts.reshape(-1)  # [T*k]
+    rows = jnp.repeat(x, k, axis=0)  # [T*k, d]
+    h = jnp.einsum(
+        "pd,pdi->pi", rows, gate_up[pairs].astype(x.dtype), precision=prec, preferred_element_type=acc
+    )  # [T*k, 2Ie]
+    act = _swiglu(h.astype(x.dtype), x.dtype)  # [T*k, Ie]
+    y = jnp.einsum("pi,pid->pd", act, down[pairs].astype(x.dtype), precision=prec, preferred_element_type=acc)
+    y = y.astype(x.dtype).astype(jnp.float32).reshape(t, k, -1)  # [T, k, d]
+    w = weights.astype(jnp.float32)[..., None]  # [T, k, 1]
+    return jnp.sum(jnp.where(valid[:, None, None], w * y, 0.0), axis=1).astype(x.dtype)
+
+
 def moe_reference(x, weights, experts, gate_up, down, valid):
     """Routed experts, dense one-hot reference: every expert on every token.
 
@@ -96,9 +122,7 @@ def moe_reference(x, weights, experts, gate_up, down, valid):
     one_hot = experts[..., None] == jnp.arange(n_experts)  # [T, k, E]
     sel = jnp.any(one_hot, axis=1) & valid[:, None]  # [T, E]
     c = jnp.sum(jnp.where(one_hot, weights.astype(jnp.float32)[..., None], 0.0), axis=1)  # [T, E]
-    # as `linear.dense`: float32 at HIGHEST, bf16 products with a bf16 result
-    f32 = jnp.dtype(x.dtype) == jnp.dtype(jnp.float32)
-    prec, acc = (HIGHEST, jnp.float32) if f32 else (None, None)
+    prec, acc = _dense_precision(x.dtype)
     h = jnp.einsum("td,edi->tei", x, gate_up.astype(x.dtype), precision=prec, preferred_element_type=acc)
     act = _swiglu(h, x.dtype)  # [T, E, Ie]
     y = jnp.einsum("tei,eid->ted", act, down.astype(x.dtype), precision=prec, preferred_element_type=acc)
@@ -107,10 +131,13 @@ def moe_reference(x, weights, experts, gate_up, down, valid):
 
 
 def moe_experts(x, weights, experts, gate_up, down, valid, *, impl="auto"):
-    """The routed experts (module doc): impl "ref" runs `moe_reference`, "auto" / "pallas" `moe_ragged`."""
+    """The routed experts (module doc): impl "ref" runs `moe_reference`; "auto" / "pallas" run
+    `moe_gathered` when 3·T·k <= E (it then reads fewer weight bytes), else `moe_ragged`."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
-    fn = moe_reference if impl == "ref" else moe_ragged
+    if impl == "ref":
+        return moe_reference(x, weights, experts, gate_up, down, valid)
+    fn = moe_gathered if 3 * experts.size <= gate_up.shape[0] else moe_ragged
     return fn(x, weights, experts, gate_up, down, valid)
 
 
