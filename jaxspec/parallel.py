@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
-from jaxspec.ops import tp
+from jaxspec.ops import tp as tp_ops
 from jaxspec.ops.tp import AXIS
 from jaxspec.target import Target
 
@@ -199,7 +199,7 @@ def cache_specs(cache: CacheState) -> CacheState:
 
     def spec(path, leaf):
         axis = _STATE_HEAD_AXIS.get(path[0].name)
-        return P() if axis is None else tp.split(leaf.ndim, axis)
+        return P() if axis is None else tp_ops.split(leaf.ndim, axis)
 
     return jax.tree_util.tree_map_with_path(spec, cache)
 
@@ -212,7 +212,7 @@ def state_specs(state):
 
 def constrain_state(state):
     """`state` held to `state_specs` inside a jitted step under a tp mesh; unchanged without one."""
-    if tp.size() == 1:
+    if tp_ops.size() == 1:
         return state
     return jax.lax.with_sharding_constraint(state, state_specs(state))
 
