@@ -448,7 +448,6 @@ def _generate(args, parser):
         tokenizer = load_tokenizer(args.target)
     with parser.blame("--tp"):
         parallel.check_tp(target.config, args.tp, "")
-        parallel.tp_mesh(args.tp, field="")
     prompts = _encode_prompts(parser, args.prompt, tokenizer)
     draft = None
     if args.draft and args.verify_mode != "none":

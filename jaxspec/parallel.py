@@ -39,7 +39,8 @@ def _refusal(field: str, tp, message: str) -> ValueError:
 
 
 def check_tp(config: TargetConfig, tp: int, field: str = "SpecConfig.tp") -> None:
-    """Raise ValueError naming `field` and the model field when the target cannot split over tp."""
+    """Raise ValueError naming `field` (and the model field) when the target cannot split over tp
+    or fewer than tp devices are visible."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise _refusal(field, tp, "must be an int >= 1")
     c = config
@@ -59,13 +60,20 @@ def check_tp(config: TargetConfig, tp: int, field: str = "SpecConfig.tp") -> Non
         value = getattr(c, name)
         if value % tp and tp % value:
             raise _refusal(field, tp, f"the target's {name}={value} neither divides nor is divisible by {tp}")
+    _visible_devices(tp, None, field)
+
+
+def _visible_devices(tp: int, devices, field: str) -> list:
+    """`devices` (default: every device of every host), refused when fewer than tp."""
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) < tp:
+        raise _refusal(field, tp, f"only {len(devices)} devices are visible")
+    return devices
 
 
 def tp_mesh(tp: int, devices=None, field: str = "SpecConfig.tp") -> jax.sharding.Mesh:
     """A one-axis mesh `tp` over the first tp of `devices` (default: every device of every host)."""
-    devices = jax.devices() if devices is None else list(devices)
-    if len(devices) < tp:
-        raise _refusal(field, tp, f"only {len(devices)} devices are visible")
+    devices = _visible_devices(tp, devices, field)
     return jax.make_mesh((tp,), (AXIS,), devices=devices[:tp], axis_types=(jax.sharding.AxisType.Auto,))
 
 

@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float64 import random_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from proposers import random_draft
 
 from jaxspec import parallel
 from jaxspec import target as target_mod
-from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET, SpecConfig, TargetConfig
+from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET, SpecConfig
 from jaxspec.dflash import load_draft
 from jaxspec.engine import Engine
 from jaxspec.ops import sampling
@@ -52,29 +53,18 @@ def test_cases_on_four_cpu_devices():
 
 
 def _config(**overrides):
-    """A random target whose heads split 4 ways once key and KV heads are repeated (H=2, KVH=1)."""
-    fields = dict(
-        layout="qwen3_5_text",
+    """The float64 tests' random target, smaller, whose heads split 4 ways once key and KV heads
+    are repeated (H=2, KVH=1)."""
+    small = dict(
         vocab_size=64,
-        hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=4,
         layer_types=("linear_attention",) * 3 + ("full_attention",),
-        rms_norm_eps=1e-6,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=16,
-        rope_theta=1e4,
-        partial_rotary_factor=0.25,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
     )
-    return TargetConfig(**(fields | overrides))
+    return dataclasses.replace(random_config("qwen3_5_text"), **(small | overrides))
 
 
 @pytest.fixture(scope="module")

@@ -324,7 +324,6 @@ def run(args, parser, argv) -> int:
 
     with parser.blame("--tp"):
         parallel.check_tp(work.target.config, cfg["tp"], "")
-        parallel.tp_mesh(cfg["tp"], field="")
     print(f"{work.key}: models and prompts ready in {time.time() - t_start:.1f} s", flush=True)
     settings = _settings(work, cfg)
     for s in settings:

@@ -76,12 +76,12 @@ def attention_verify(q, k_cache, v_cache, seq_lens, query_start_loc, slots, t_ma
     stack in place (a layer slice handed to a kernel is a copy of the whole layer cache).
     """
     if tp.size() > 1:
-        layer_arg = tp.layer_arg(layer)
-        return tp.per_shard(
-            lambda *a: attention_verify(*a[:6], t_max, layer=(a[6:] or (None,))[0], impl=impl),
-            (q, k_cache, v_cache, seq_lens, query_start_loc, slots, *layer_arg),
-            (tp.split(3, 1), tp.split(k_cache.ndim, -2), tp.split(v_cache.ndim, -2)) + (P(),) * (3 + len(layer_arg)),
+        return tp.per_shard_at_layer(
+            lambda *a, layer: attention_verify(*a, t_max, layer=layer, impl=impl),
+            (q, k_cache, v_cache, seq_lens, query_start_loc, slots),
+            (tp.split(3, 1), tp.split(k_cache.ndim, -2), tp.split(v_cache.ndim, -2), P(), P(), P()),
             tp.split(3, 1),
+            layer,
         )
     if use_kernel(
         "attention_verify",

@@ -51,13 +51,12 @@ def conv_verify(x, conv_state, conv_window, weight, query_start_loc, slots, *, l
     kernel reads and writes the stacks in place (a per-layer slice handed to a kernel is a copy).
     """
     if tp.size() > 1:
-        layer_arg = tp.layer_arg(layer)
-        return tp.per_shard(
-            lambda *a: conv_verify(*a[:6], layer=(a[6:] or (None,))[0], impl=impl),
-            (x, conv_state, conv_window, weight, query_start_loc, slots, *layer_arg),
-            (tp.split(2, 1), tp.split(conv_state.ndim, -1), tp.split(conv_window.ndim, -1), tp.split(2, 0))
-            + (P(),) * (2 + len(layer_arg)),
+        return tp.per_shard_at_layer(
+            lambda *a, layer: conv_verify(*a, layer=layer, impl=impl),
+            (x, conv_state, conv_window, weight, query_start_loc, slots),
+            (tp.split(2, 1), tp.split(conv_state.ndim, -1), tp.split(conv_window.ndim, -1), tp.split(2, 0), P(), P()),
             (tp.split(2, 1), tp.split(conv_window.ndim, -1)),
+            layer,
         )
     if use_kernel(
         "conv_verify",

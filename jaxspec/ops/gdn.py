@@ -145,13 +145,11 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
     state unchanged and output 0. Returns (o [B, T, HV, V] float32, h [B, HV, K, V] float32).
     """
     if tp.size() > 1:
-        lens = () if lengths is None else (lengths,)
         heads = tp.split(4, 2)
+        args = (q, k, v, g, beta, h0) + (() if lengths is None else (lengths,))
+        specs = (heads, heads, heads, tp.split(3, 2), tp.split(3, 2), tp.split(4, 1), P())
         return tp.per_shard(
-            lambda *a: gdn_chunked(*a[:6], *(a[6:] or (None,)), chunk=chunk, impl=impl),
-            (q, k, v, g, beta, h0, *lens),
-            (heads, heads, heads, tp.split(3, 2), tp.split(3, 2), tp.split(4, 1)) + (P(),) * len(lens),
-            (heads, tp.split(4, 1)),
+            lambda *a: gdn_chunked(*a, chunk=chunk, impl=impl), args, specs[: len(args)], (heads, tp.split(4, 1))
         )
     if use_kernel("gdn_chunked", impl, lambda: pallas_chunked.supports(q, k, v, g, beta, h0, lengths)):
         return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)  # its own chunk size
@@ -284,15 +282,12 @@ def gdn_verify(
     """
     if tp.size() > 1:
         rings = (tp.split_like(ring_k, -3), tp.split_like(ring_u, -3), tp.split_like(ring_g, -2))
-        return tp.per_shard(
-            lambda *a: gdn_verify(*a[:12], t_max, layer=(a[12:] or (None,))[0], impl=impl),
-            (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, *tp.layer_arg(layer)),
-            (tp.split(3, 1),) * 3
-            + (tp.split(2, 1),) * 2
-            + (tp.split_like(ckpt, -3),)
-            + rings
-            + (P(),) * (3 + len(tp.layer_arg(layer))),
+        return tp.per_shard_at_layer(
+            lambda *a, layer: gdn_verify(*a, t_max, layer=layer, impl=impl),
+            (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots),
+            (tp.split(3, 1),) * 3 + (tp.split(2, 1),) * 2 + (tp.split_like(ckpt, -3),) + rings + (P(),) * 3,
             (tp.split(3, 1),) + rings,
+            layer,
         )
     args = (q, k, v, g, beta, ckpt, ring_k, ring_u, ring_g, write_pos, query_start_loc, slots, t_max)
     if use_kernel("gdn_verify", impl, lambda: pallas_verify.supports(*args, layer=layer)):

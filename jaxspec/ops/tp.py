@@ -42,6 +42,14 @@ def per_shard(fn, args: tuple, in_specs: tuple, out_specs):
     return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
-def layer_arg(layer):
-    """A stacked-layer index as shard_map operands: () for None, else one int32 scalar."""
-    return () if layer is None else (jnp.asarray(layer, jnp.int32),)
+def per_shard_at_layer(fn, args: tuple, in_specs: tuple, out_specs, layer):
+    """`per_shard` of fn(*args, layer=layer) for an op on stacked layers: layer None, or an int /
+    int32 scalar that enters as a replicated int32 operand."""
+    if layer is None:
+        return per_shard(lambda *a: fn(*a, layer=None), args, in_specs, out_specs)
+    return per_shard(
+        lambda *a: fn(*a[:-1], layer=a[-1]),
+        args + (jnp.asarray(layer, jnp.int32),),
+        in_specs + (P(),),
+        out_specs,
+    )
