@@ -554,15 +554,20 @@ def test_bad_moe_fields_name_the_field(models, change, field):
         dataclasses.replace(models["qwen3_next"].config, **change)
 
 
-@pytest.mark.parametrize(
-    "t,n_experts,top_k,path", [(1, 9, 3, "gathered"), (2, 9, 3, "ragged")], ids=["few-pairs", "many-pairs"]
-)
-def test_auto_gathers_only_when_few_pairs(t, n_experts, top_k, path):
-    """impl "auto" takes the gathered path iff 3·T·k <= E (it reads fewer weight bytes), bit for bit."""
+@pytest.mark.parametrize("t,n_experts,top_k", [(1, 9, 3), (2, 9, 3), (30, 9, 3)], ids=["few", "many", "too-many"])
+def test_auto_path_by_pair_count(t, n_experts, top_k):
+    """impl "auto" on a GPU takes the grouped kernel iff T·k <= 8·E; elsewhere (and above that) the
+    jnp gathered form iff 3·T·k <= E (it reads fewer weight bytes), else ragged_dot; bit for bit."""
     rng = np.random.default_rng(seed_of("moe-auto", t))
     x, router, gate_up, down = random_moe(rng, t, 16, n_experts, 8)
     weights, experts = moe.route(x, router, top_k, True)
     valid = jnp.ones(t, bool)
     got = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="auto"))
-    fn = moe.moe_gathered if path == "gathered" else moe.moe_ragged
-    np.testing.assert_array_equal(got, np.asarray(fn(x, weights, experts, gate_up, down, valid)))
+    pairs = t * top_k
+    if jax.default_backend() == "gpu" and pairs <= moe.KERNEL_PAIRS_PER_EXPERT * n_experts:
+        want = moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel="matmul")
+    elif 3 * pairs <= n_experts:
+        want = moe.moe_gathered(x, weights, experts, gate_up, down, valid)
+    else:
+        want = moe.moe_ragged(x, weights, experts, gate_up, down, valid)
+    np.testing.assert_array_equal(got, np.asarray(want))

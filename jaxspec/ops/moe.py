@@ -16,11 +16,14 @@ once to the activation dtype (transformers adds them in the activation dtype, ex
 the same thing in float32).
 
 Three implementations of the routed experts, picked by `impl` like every op (ops/dispatch.py):
-- `moe_gathered` (impl "auto" / "pallas" when 3·T·k <= E: decode and small verify windows): each
-  (token, expert) pair's weights gathered, then batched matrix-vector products. It reads the T·k
-  routed experts (a gather and a product: ~3 passes over them) where XLA's GPU `ragged_dot` reads
-  every expert's weights whatever the routing (measured: bench/RESULTS.md, MoE rows).
-- `moe_ragged` (impl "auto" / "pallas" above that; there is no Pallas kernel): the T·k (token, expert)
+- `moe_gathered` (impl "auto" / "pallas" when T·k <= 8·E with a kernel, 3·T·k <= E without: decode,
+  verify windows, small prefills): each (token, expert) pair times its own expert's weights. On a
+  GPU (or impl "pallas") the Pallas grouped products (`jaxspec/pallas/expert_matmul.py`) read each
+  hit expert once, in place, for all the tokens that chose it; the jnp form gathers each pair's
+  weights (a copy) before batched matrix-vector products (`kernel="gemv"`: the per-pair Pallas
+  products, for comparison). All read only the experts the tokens hit, where XLA's GPU
+  `ragged_dot` computes every expert whatever the routing (measured: bench/RESULTS.md, MoE rows).
+- `moe_ragged` (above those bounds): the T·k (token, expert)
   pairs sorted by expert id, two `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the
   k results of a token combined in float32. No capacity limit: a group is as long as its expert's
   tokens. Rows with valid = False go to a null group past the E real ones (sorted last, outside
@@ -28,15 +31,17 @@ Three implementations of the routed experts, picked by `impl` like every op (ops
   ragged_dot leaves in rows outside its groups: zeros on the CPU).
 - `moe_reference` (impl "ref", the oracle): every expert on every token, combined through the
   dense [T, E] routing weights.
-Both select (`where`), never multiply by a zero weight, so a non-finite value in one row (or in an
+All select (`where`), never multiply by a zero weight, so a non-finite value in one row (or in an
 unselected expert's output) stays in its row; an invalid row's routed output is exactly 0.
 """
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.ops.dispatch import IMPLS
+from jaxspec.ops.dispatch import IMPLS, use_kernel
 from jaxspec.ops.linear import HIGHEST, dense, swiglu_mlp
+from jaxspec.pallas import expert_gemv as pallas_expert_gemv
+from jaxspec.pallas import expert_matmul as pallas_expert_matmul
 
 
 def route(x, router, top_k: int, norm_topk_prob: bool):
@@ -95,19 +100,36 @@ def _dense_precision(dtype):
     return (HIGHEST, jnp.float32) if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else (None, None)
 
 
-def moe_gathered(x, weights, experts, gate_up, down, valid):
-    """Routed experts by gathering each (token, expert) pair's weights. Same arguments and result
-    as `moe_ragged` (each product rounded to x.dtype, the k outputs combined in float32)."""
-    t, k = experts.shape
+def _gathered_products(x, ids, live, w, rows_div: int, kernel, config=None):
+    """Pair p's row x[p // rows_div] times its expert's w[ids[p]]: [P, N] rounded to x.dtype (dead
+    pairs: 0 from a kernel, whatever the product is from the jnp form; the caller selects them away)."""
+    if kernel == "gemv":
+        partial = pallas_expert_gemv.expert_gemv(x, ids, live, w, rows_div=rows_div, config=config)  # [S, P, N]
+        return jnp.sum(partial, axis=0).astype(x.dtype)
+    if kernel == "matmul":
+        return pallas_expert_matmul.expert_matmul(x, ids, live, w, rows_div=rows_div, config=config).astype(x.dtype)
     prec, acc = _dense_precision(x.dtype)
+    rows = x if rows_div == 1 else jnp.repeat(x, rows_div, axis=0)  # [P, K]
+    y = jnp.einsum("pk,pkn->pn", rows, w[ids].astype(x.dtype), precision=prec, preferred_element_type=acc)
+    return y.astype(x.dtype)
+
+
+def moe_gathered(x, weights, experts, gate_up, down, valid, *, kernel=None, config=None):
+    """Routed experts by each (token, expert) pair's own weights. Same arguments and result as
+    `moe_ragged` (each product rounded to x.dtype, the k outputs combined in float32).
+
+    kernel=None: the pair's weights gathered (a copy), then batched products; "gemv": the Pallas
+    per-pair products (`jaxspec.pallas.expert_gemv`), which read each pair's expert in place;
+    "matmul": the Pallas grouped products (`jaxspec.pallas.expert_matmul`), which read each hit
+    expert once; config: that kernel's config (None: its default).
+    """
+    t, k = experts.shape
     pairs = experts.reshape(-1)  # [T*k]
-    rows = jnp.repeat(x, k, axis=0)  # [T*k, d]
-    h = jnp.einsum(
-        "pd,pdi->pi", rows, gate_up[pairs].astype(x.dtype), precision=prec, preferred_element_type=acc
-    )  # [T*k, 2Ie]
-    act = _swiglu(h.astype(x.dtype), x.dtype)  # [T*k, Ie]
-    y = jnp.einsum("pi,pid->pd", act, down[pairs].astype(x.dtype), precision=prec, preferred_element_type=acc)
-    y = y.astype(x.dtype).astype(jnp.float32).reshape(t, k, -1)  # [T, k, d]
+    live = jnp.repeat(valid, k)  # [T*k]
+    h = _gathered_products(x, pairs, live, gate_up, k, kernel, config)  # [T*k, 2Ie]
+    act = _swiglu(h, x.dtype)  # [T*k, Ie]
+    y = _gathered_products(act, pairs, live, down, 1, kernel, config)  # [T*k, d]
+    y = y.astype(jnp.float32).reshape(t, k, -1)  # [T, k, d]
     w = weights.astype(jnp.float32)[..., None]  # [T, k, 1]
     return jnp.sum(jnp.where(valid[:, None, None], w * y, 0.0), axis=1).astype(x.dtype)
 
@@ -130,15 +152,33 @@ def moe_reference(x, weights, experts, gate_up, down, valid):
     return jnp.sum(jnp.where(sel[..., None], c[..., None] * y, 0.0), axis=1).astype(x.dtype)
 
 
+KERNEL_PAIRS_PER_EXPERT = 8  # T·k bound of the grouped kernel: its float32 split-K partials grow with T·k
+
+
 def moe_experts(x, weights, experts, gate_up, down, valid, *, impl="auto"):
-    """The routed experts (module doc): impl "ref" runs `moe_reference`; "auto" / "pallas" run
-    `moe_gathered` when 3·T·k <= E (it then reads fewer weight bytes), else `moe_ragged`."""
+    """The routed experts (module doc): impl "ref" runs `moe_reference`. "auto" / "pallas" run
+    `moe_gathered` through the grouped kernel when T·k <= 8·E and the kernel runs (a GPU, or impl
+    "pallas"); else its jnp form when 3·T·k <= E (a gather and a product read fewer bytes than every
+    expert); else `moe_ragged`."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl == "ref":
         return moe_reference(x, weights, experts, gate_up, down, valid)
-    fn = moe_gathered if 3 * experts.size <= gate_up.shape[0] else moe_ragged
-    return fn(x, weights, experts, gate_up, down, valid)
+    n_experts = gate_up.shape[0]
+    if experts.size <= n_experts:
+        pairs, live = experts.reshape(-1), jnp.repeat(valid, experts.shape[1])
+        act = jax.ShapeDtypeStruct((pairs.shape[0], down.shape[1]), x.dtype)  # [T*k, Ie]
+        kernel = use_kernel(
+            "moe_gathered",
+            impl,
+            lambda: (
+                pallas_expert_gemv.supports(x, pairs, live, gate_up, experts.shape[1])
+                and pallas_expert_gemv.supports(act, pairs, live, down)
+            ),
+        )
+        if kernel or 3 * experts.size <= n_experts:
+            return moe_gathered(x, weights, experts, gate_up, down, valid, kernel="gemv" if kernel else None)
+    return moe_ragged(x, weights, experts, gate_up, down, valid)
 
 
 def sparse_moe_block(p, x, valid, *, top_k: int, norm_topk_prob: bool, impl="auto"):

@@ -1,0 +1,198 @@
+"""Grouped expert products (Pallas, Triton): the routed experts of an MoE verify or decode step,
+each hit expert's weights read once, whatever number of the step's tokens chose it.
+
+Contract (`expert_matmul_reference` below is its jnp form): x [R, K] (the rows), ids [P] int32
+(pair p's expert, in [0, E)), live [P] bool, w [E, K, N] of x's dtype (float32 or bfloat16); pair p
+reads row p // rows_div of x:
+
+    out[p, n] = Σ_k x[p // rows_div, k] · w[ids[p], k, n]     (float32) for live pairs, 0 for dead ones
+
+Design (memory-bound at decode and verify sizes: the bytes are the hit experts' weights):
+* The wrapper sorts the live pairs by expert (XLA: an argsort of P ids) and lists the groups
+  (expert, first sorted position, count): at most G = min(E, P) groups, so the grid never walks
+  experts that no token chose (XLA's GPU `ragged_dot` computes all of them).
+* Grid (G, N / block_n, K / block_k): a program streams one [block_k, block_n] tile of its group's
+  expert and multiplies it into the group's rows, block_m at a time (the rows are gathered from x
+  by the sorted pairs' row index) on the tensor cores; a group of more than block_m rows re-reads
+  its tile from L2. The reduction is split over K / block_k programs (split-K: a decode step's
+  8-80 pairs would not fill the GPU otherwise); the wrapper sums the float32 partials and puts the
+  rows back in pair order. block_k comes from (K, N) alone, so a token's sums never depend on the
+  batch it ran in.
+* Unused groups (fewer distinct experts than G) and dead pairs (padding rows, the null slot) load
+  nothing; dead pairs' rows are selected to 0 by the wrapper.
+Products: bf16 x bf16 products are exact in float32 (the MMA accumulates in float32); float32
+inputs use the full-precision dot (no TF32), as `dense` at HIGHEST.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxspec.pallas.hardware import default_interpret
+from jaxspec.pallas.tiles import check_pow2_fields, next_pow2
+
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+PROGRAMS_PER_GROUP = 32  # n tiles x k splits of one expert: 8 experts (batch 1, top-8) fill 2 x 132 SMs
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMatmulConfig:
+    """Tile sizes of the grouped products.
+
+    block_m: rows of a group multiplied per pass over the tile (16: the MMA's least M).
+    block_n: output columns per program (clipped to N's next power of two, at least 16); 256 bf16
+      columns are 512 contiguous bytes a weight row.
+    block_k: reduction rows per program (None: chosen by `resolve` so an expert spans
+      PROGRAMS_PER_GROUP programs).
+    inner_k: reduction rows per MMA step ([inner_k, block_n] weights in flight at a time).
+    num_warps / num_stages: Triton launch parameters (stages pipeline the inner loop's loads).
+    """
+
+    block_m: int = 16
+    block_n: int = 256
+    block_k: int | None = None
+    inner_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_pow2_fields(
+            self, (("block_m", 16, 128), ("block_n", 16, 1024), ("inner_k", 16, 256), ("num_warps", 1, 16))
+        )
+        if self.block_k is not None:
+            check_pow2_fields(self, (("block_k", 16, 1 << 16),))
+            if self.block_k < self.inner_k:
+                raise ValueError(f"ExpertMatmulConfig.block_k={self.block_k}: must be >= inner_k={self.inner_k}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"ExpertMatmulConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
+
+    def resolve(self, k: int, n: int) -> tuple[int, int, int]:
+        """(block_n, block_k, inner_k) for a [K, N] weight matrix (MMA operands need >= 16)."""
+        block_n = max(16, min(self.block_n, next_pow2(n)))
+        inner_k = max(16, min(self.inner_k, next_pow2(k)))
+        if self.block_k is not None:
+            return block_n, max(inner_k, min(self.block_k, next_pow2(k))), inner_k
+        splits = max(1, PROGRAMS_PER_GROUP // pl.cdiv(n, block_n))
+        return block_n, max(inner_k, next_pow2(pl.cdiv(k, splits))), inner_k
+
+
+def supports(x, ids, live, w, rows_div: int = 1) -> bool:
+    """Shapes and dtypes the kernel covers (the contract above)."""
+    try:
+        return (
+            x.ndim == 2
+            and w.ndim == 3
+            and ids.ndim == 1
+            and live.shape == ids.shape
+            and x.shape[1] == w.shape[1]
+            and ids.shape[0] >= 1
+            and isinstance(rows_div, int)
+            and rows_div >= 1
+            and pl.cdiv(ids.shape[0], rows_div) <= x.shape[0]
+            and jnp.dtype(x.dtype) in _FLOATS
+            and jnp.dtype(w.dtype) == jnp.dtype(x.dtype)
+            and jnp.issubdtype(ids.dtype, jnp.integer)
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
+def expert_groups(ids, live, n_experts: int):
+    """The pairs sorted by expert and their groups: (order [P]: pair at each sorted position,
+    group_expert [G] (E: an unused group), group_start [G], group_count [G]), G = min(E, P).
+    Dead pairs sort last under the key E and form no group."""
+    pairs = ids.shape[0]
+    groups = min(n_experts, pairs)
+    key = jnp.where(live, ids, n_experts).astype(jnp.int32)  # [P]
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # [P]
+    sorted_key = key[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])  # [P]
+    group = jnp.cumsum(first) - 1  # [P]: group of each sorted position (the dead one may reach G)
+    at = jnp.where(first & (sorted_key < n_experts), group, groups)  # group starts, G = dropped
+    positions = jnp.arange(pairs, dtype=jnp.int32)
+    group_expert = jnp.full((groups,), n_experts, jnp.int32).at[at].set(sorted_key, mode="drop")
+    group_start = jnp.zeros((groups,), jnp.int32).at[at].set(positions, mode="drop")
+    live_sorted = sorted_key < n_experts
+    group_count = jnp.zeros((groups,), jnp.int32).at[jnp.where(live_sorted, group, groups)].add(1, mode="drop")
+    return order, group_expert, group_start, group_count
+
+
+def _kernel(
+    gexp_ref, gstart_ref, gcount_ref, src_ref, x_ref, w_ref, out_ref, *, block_m, block_n, block_k, inner_k, precision
+):
+    f32 = jnp.float32
+    g, n0, s = pl.program_id(0), pl.program_id(1) * block_n, pl.program_id(2)
+    k0 = s * block_k
+    n_experts, kd, nd = w_ref.shape
+    e, start, count = gexp_ref[g], gstart_ref[g], gcount_ref[g]
+    cols = n0 + jnp.arange(block_n)
+    cmask = cols < nd
+
+    @pl.when((e < n_experts) & (count > 0))
+    def _():
+        def row_block(c, carry):
+            r = start + c * block_m + jnp.arange(block_m)  # sorted positions
+            rmask = r < start + count
+            src = plgpu.load(src_ref.at[r], mask=rmask, other=0)  # their rows of x
+
+            def step(i, acc):
+                ks = k0 + i * inner_k + jnp.arange(inner_k)
+                kmask = ks < kd
+                xs = plgpu.load(x_ref.at[src[:, None], ks[None, :]], mask=rmask[:, None] & kmask[None, :], other=0)
+                ws = plgpu.load(
+                    w_ref.at[e, pl.ds(k0 + i * inner_k, inner_k), pl.ds(n0, block_n)],
+                    mask=kmask[:, None] & cmask[None, :],
+                    other=0,
+                )
+                return acc + jnp.dot(xs, ws, preferred_element_type=f32, precision=precision)
+
+            acc = lax.fori_loop(0, block_k // inner_k, step, jnp.zeros((block_m, block_n), f32))
+            plgpu.store(out_ref.at[s, r[:, None], cols[None, :]], acc, mask=rmask[:, None] & cmask[None, :])
+            return carry
+
+        lax.fori_loop(0, pl.cdiv(count, block_m), row_block, 0)
+
+
+def expert_matmul(x, ids, live, w, *, rows_div: int = 1, config: ExpertMatmulConfig | None = None, interpret=None):
+    """The grouped products (module contract): -> [P, N] float32 in pair order."""
+    if not supports(x, ids, live, w, rows_div):
+        raise ValueError(
+            "expert_matmul kernel: unsupported shapes/dtypes "
+            f"x {x.shape} {x.dtype}, ids {ids.shape} {ids.dtype}, live {live.shape}, w {w.shape} {w.dtype}, "
+            f"rows_div {rows_div!r}"
+        )
+    if interpret is None:
+        interpret = default_interpret()
+    config = config or ExpertMatmulConfig()
+    n_experts, kd, nd = w.shape
+    pairs = ids.shape[0]
+    block_n, block_k, inner_k = config.resolve(kd, nd)
+    splits = pl.cdiv(kd, block_k)
+    order, group_expert, group_start, group_count = expert_groups(ids.astype(jnp.int32), live, n_experts)
+    precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32) else None
+    kernel = functools.partial(
+        _kernel, block_m=config.block_m, block_n=block_n, block_k=block_k, inner_k=inner_k, precision=precision
+    )
+    partial = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((splits, pairs, nd), jnp.float32),
+        grid=(group_expert.shape[0], pl.cdiv(nd, block_n), splits),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="expert_matmul",
+    )(group_expert, group_start, group_count, order // rows_div, x, w)
+    y_sorted = jnp.sum(partial, axis=0)  # [P, N] in sorted order; dead pairs' rows unwritten
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(pairs, dtype=order.dtype))
+    return jnp.where(live[:, None], y_sorted[inverse], 0.0)
+
+
+def expert_matmul_reference(x, ids, live, w, *, rows_div: int = 1):
+    """jnp form of the contract: [P, N] float32."""
+    rows = x[jnp.arange(ids.shape[0]) // rows_div].astype(jnp.float32)  # [P, K]
+    y = jnp.einsum("pk,pkn->pn", rows, w[ids].astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return jnp.where(live[:, None], y, 0.0)

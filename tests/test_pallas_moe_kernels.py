@@ -1,0 +1,212 @@
+"""The MoE expert kernels against their jnp references and a float64 numpy oracle: the per-pair
+gathered products (jaxspec/pallas/expert_gemv.py) and the grouped products
+(jaxspec/pallas/expert_matmul.py); interpret mode on the CPU, the real kernels on a GPU (same
+tests), and the H200 Triton lowering of the MoE benchmark shapes on the CPU. Through `ops.moe`, the
+routed experts with impl="pallas" against the jnp gathered form and the dense reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle
+import pytest
+from gpu_lowering import lower_for_h200
+
+from jaxspec.ops import moe
+from jaxspec.pallas import expert_gemv as eg
+from jaxspec.pallas import expert_matmul as em
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def gemv(x, ids, live, w, rows_div, **kw):
+    return jnp.sum(eg.expert_gemv(x, ids, live, w, rows_div=rows_div, **kw), axis=0)
+
+
+def matmul(x, ids, live, w, rows_div, **kw):
+    return em.expert_matmul(x, ids, live, w, rows_div=rows_div, **kw)
+
+
+# name: (products -> [P, N] float32, its config with small tiles, reference)
+KERNELS = {
+    "gemv": (gemv, eg.ExpertGemvConfig(block_n=16, inner_k=8), eg.expert_gemv_reference),
+    "matmul": (matmul, em.ExpertMatmulConfig(block_n=16, inner_k=16), em.expert_matmul_reference),
+}
+
+
+def oracle_products(x, ids, live, w, rows_div):
+    """float64: out[p] = x[p // rows_div] @ w[ids[p]] for live pairs, 0 for dead ones."""
+    x, w = oracle.f64(x), oracle.f64(w)
+    out = np.zeros((len(ids), w.shape[2]))
+    for p, (e, keep) in enumerate(zip(np.asarray(ids), np.asarray(live))):
+        if keep:
+            out[p] = x[p // rows_div] @ w[e]
+    return out
+
+
+def make_case(rng, pairs, rows_div, k, n, n_experts, dtype, dead=()):
+    rows = -(-pairs // rows_div)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n_experts, k, n)) * k**-0.5, dtype)
+    ids = jnp.asarray(rng.integers(0, n_experts, pairs), jnp.int32)
+    live = np.ones(pairs, bool)
+    live[list(dead)] = False
+    return x, ids, jnp.asarray(live), w
+
+
+# (pairs, rows_div, K, N, experts, dead pairs): odd K and N overhang every tile; rows_div 3 is a
+# top-3 gate_up product, 1 a down product; repeated experts (pairs > experts) read one expert twice
+CASES = {
+    "decode-top3": (6, 3, 40, 24, 5, ()),
+    "odd-k-n": (7, 1, 37, 300, 9, (2,)),
+    "shared-experts": (12, 4, 64, 48, 3, (0, 11)),
+    "one-pair": (1, 1, 8, 16, 2, ()),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_matches_reference_and_oracle(kernel, case, dtype):
+    products, config, reference = KERNELS[kernel]
+    pairs, rows_div, k, n, n_experts, dead = CASES[case]
+    rng = np.random.default_rng(oracle.seed_of("expert-products", case, str(jnp.dtype(dtype))))
+    x, ids, live, w = make_case(rng, pairs, rows_div, k, n, n_experts, dtype, dead)
+    out = jax.jit(lambda *a: products(*a, rows_div, config=config))(x, ids, live, w)
+    assert out.shape == (pairs, n) and out.dtype == jnp.float32
+    got = np.asarray(out)
+    ref = np.asarray(jax.jit(lambda *a: reference(*a, rows_div=rows_div))(x, ids, live, w))
+    want = oracle_products(x, ids, live, w, rows_div)
+    # float32 sums of exact products (bf16 x bf16 is exact in float32): the kernel, the reference
+    # and the oracle differ by summation order only, ~1e-7 of max|oracle| at these K
+    oracle.assert_close(got, want, 2e-6, "kernel vs float64")
+    oracle.assert_close(ref, want, 2e-6, "reference vs float64")
+    assert np.all(got[~np.asarray(live)] == 0.0), "dead pairs must be exact zeros"
+
+
+def test_gemv_writes_every_split():
+    """The per-pair kernel's split-K partials: one [P, N] slice a split, dead pairs 0 in each."""
+    rng = np.random.default_rng(oracle.seed_of("expert-gemv-splits"))
+    x, ids, live, w = make_case(rng, 5, 1, 40, 24, 4, jnp.float32, dead=(2,))
+    config = eg.ExpertGemvConfig(block_n=16, inner_k=8)
+    out = np.asarray(eg.expert_gemv(x, ids, live, w, config=config))
+    assert out.shape == (5, 5, 24)  # block_k 8: ceil(40 / 8) splits
+    assert np.all(out[:, 2] == 0.0)
+    oracle.assert_close(out.sum(axis=0), oracle_products(x, ids, live, w, 1), 2e-6, "sum of splits")
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_dead_pairs_read_nothing(kernel):
+    """A dead pair's expert id may be anything, its row NaN: its output is 0 and no other pair moves."""
+    products, config, _ = KERNELS[kernel]
+    rng = np.random.default_rng(oracle.seed_of("expert-dead"))
+    x, ids, live, w = make_case(rng, 5, 1, 24, 40, 4, jnp.float32, dead=(1, 3))
+    x = x.at[1].set(jnp.nan).at[3].set(jnp.inf)
+    bad_ids = ids.at[1].set(10**6).at[3].set(-7)  # out of range: must never be dereferenced
+    clean = np.asarray(products(x, ids, live, w, 1, config=config))
+    got = np.asarray(products(x, bad_ids, live, w, 1, config=config))
+    np.testing.assert_array_equal(got, clean)
+    assert np.all(got[[1, 3]] == 0.0) and np.all(np.isfinite(got))
+
+
+def test_groups_list_each_hit_expert_once():
+    """expert_groups: live pairs sorted by expert, one group per distinct expert (start, count),
+    unused groups marked E; dead pairs in no group, also when every expert is hit (G = E)."""
+    ids = jnp.asarray([2, 0, 2, 1, 0, 2, 1], jnp.int32)
+    live = jnp.asarray([True, True, True, False, True, True, True])
+    order, gexp, gstart, gcount = (np.asarray(a) for a in em.expert_groups(ids, live, 3))
+    assert list(gexp) == [0, 1, 2] and list(gcount) == [2, 1, 3] and list(gstart) == [0, 2, 3]
+    assert sorted(order[:6]) == [0, 1, 2, 4, 5, 6] and order[6] == 3
+    assert list(np.asarray(ids)[order[:6]]) == [0, 0, 1, 2, 2, 2]
+    order, gexp, gstart, gcount = (np.asarray(a) for a in em.expert_groups(ids[:3], live[:3], 8))
+    assert list(gexp) == [0, 2, 8] and list(gcount) == [1, 2, 0]  # G = P = 3 groups, one unused
+
+
+def test_split_length_depends_on_the_matrix_only():
+    """block_k comes from (K, N) alone: a token's sums are grouped the same way at every batch,
+    and a pair spans PROGRAMS_PER_PAIR programs at the MoE shapes (8 pairs fill the H200)."""
+    cfg = eg.ExpertGemvConfig()
+    assert cfg.resolve(2048, 1024) == (256, 256, 32)  # gate_up of 35B-A3B / 80B-A3B: 4 x 8 programs
+    assert cfg.resolve(512, 2048) == (256, 128, 32)  # down: 8 x 4 programs
+    assert cfg.resolve(40, 24) == (32, 32, 32)
+    assert eg.ExpertGemvConfig(block_k=64).resolve(2048, 1024) == (256, 64, 32)
+    mm = em.ExpertMatmulConfig()
+    assert mm.resolve(2048, 1024) == (256, 256, 64) and mm.resolve(512, 2048) == (256, 128, 64)
+    assert mm.resolve(8, 8) == (16, 16, 16)  # MMA operands are at least 16 x 16
+
+
+def test_config_validation():
+    for field, bad in [("block_n", 100), ("block_n", 8), ("inner_k", 3), ("num_warps", 3), ("block_k", 48)]:
+        with pytest.raises(ValueError, match=field):
+            eg.ExpertGemvConfig(**{field: bad})
+        with pytest.raises(ValueError, match=field):
+            em.ExpertMatmulConfig(**{field: bad})
+    for field, bad in [("block_m", 8), ("inner_k", 8)]:  # below the MMA's 16
+        with pytest.raises(ValueError, match=field):
+            em.ExpertMatmulConfig(**{field: bad})
+    for cls in (eg.ExpertGemvConfig, em.ExpertMatmulConfig):
+        with pytest.raises(ValueError, match="block_k"):
+            cls(block_k=16, inner_k=32)
+        with pytest.raises(ValueError, match="num_stages"):
+            cls(num_stages=0)
+
+
+@pytest.mark.parametrize("mod", [eg, em], ids=["gemv", "matmul"])
+def test_supports(mod):
+    S = jax.ShapeDtypeStruct
+    x, ids, live, w = S((2, 64), jnp.bfloat16), S((8,), jnp.int32), S((8,), bool), S((16, 64, 32), jnp.bfloat16)
+    assert mod.supports(x, ids, live, w, 4)
+    assert not mod.supports(x, ids, live, w, 3)  # 8 pairs need 3 rows at 3 pairs a row
+    assert not mod.supports(x, ids, live, S((16, 64, 32), jnp.float32))  # mixed dtypes
+    assert not mod.supports(S((2, 64), jnp.float16), ids, live, S((16, 64, 32), jnp.float16), 4)
+    assert not mod.supports(x, ids, S((7,), bool), w, 4)
+    assert not mod.supports(x, ids, live, S((16, 63, 32), jnp.bfloat16), 4)
+    fn = eg.expert_gemv if mod is eg else em.expert_matmul
+    with pytest.raises(ValueError, match=fn.__name__):
+        fn(jnp.zeros((2, 64)), jnp.zeros(8, jnp.int32), jnp.ones(8, bool), jnp.zeros((4, 32, 8)))
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize(
+    "name,pairs,rows_div,k,n,n_experts",
+    [
+        ("35b-a3b-gate-up", 64, 8, 2048, 1024, 256),
+        ("35b-a3b-down", 64, 1, 512, 2048, 256),
+        ("80b-a3b-gate-up", 10, 10, 2048, 1024, 512),
+    ],
+)
+def test_lowers_for_h200(kernel, name, pairs, rows_div, k, n, n_experts):
+    """The Triton lowering of the benchmark shapes (batch 8 x top-8, batch 1 x top-10), on the CPU."""
+    products = KERNELS[kernel][0]
+    S = jax.ShapeDtypeStruct
+    args = (
+        S((-(-pairs // rows_div), k), jnp.bfloat16),
+        S((pairs,), jnp.int32),
+        S((pairs,), bool),
+        S((n_experts, k, n), jnp.bfloat16),
+    )
+    text = lower_for_h200(lambda *a: products(*a, rows_div, interpret=False), *args)
+    assert f"expert_{kernel}" in text, name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_routed_experts_through_the_kernel(dtype):
+    """ops.moe.moe_experts with impl="pallas" (a decode-sized call: 3·T·k <= E) runs the kernel and
+    agrees with the jnp gathered form and the dense reference; padding rows get exactly 0."""
+    rng = np.random.default_rng(oracle.seed_of("moe-kernel", str(jnp.dtype(dtype))))
+    t, d, n_experts, ie, top_k = 3, 40, 20, 12, 2
+    x = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    router = jnp.asarray(rng.standard_normal((d, n_experts)) * d**-0.5 * 3, dtype)
+    gate_up = jnp.asarray(rng.standard_normal((n_experts, d, 2 * ie)) * d**-0.5, dtype)
+    down = jnp.asarray(rng.standard_normal((n_experts, ie, d)) * ie**-0.5, dtype)
+    valid = jnp.asarray([True, False, True])
+    weights, experts = moe.route(x, router, top_k, True)
+    kernel = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="pallas"), np.float32)
+    gathered = np.asarray(moe.moe_gathered(x, weights, experts, gate_up, down, valid), np.float32)
+    ref = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="ref"), np.float32)
+    assert np.all(kernel[1] == 0.0)
+    # float32: summation order only (~1e-7); bf16: each product rounded to bf16 (8 bits) after
+    # differently ordered float32 sums, so one rounding step apart at most (~4e-3 of max)
+    tol = 1e-6 if dtype == jnp.float32 else 1.6e-2
+    oracle.assert_close(kernel, gathered, tol, "kernel vs jnp gathered")
+    oracle.assert_close(kernel, ref, tol, "kernel vs dense reference")
