@@ -5,9 +5,7 @@ Qwen3-Next-80B-A3B (512 experts, top-10), bf16, T tokens (--tokens) per step. A 
 --layers distinct layers one after another (each its own [E, d, 2Ie] and [E, Ie, d] weights and its
 own random routing, k distinct experts a token), so no layer's experts stay in L2 (60 MB: the hit
 experts of one layer, 8 x 6.3 MB, would fit) from one call to the next. Variants:
-  gemv[:CFG]    `ops.moe.moe_gathered(kernel="gemv")`: the Pallas per-pair products
-                (jaxspec/pallas/expert_gemv.py); CFG = block_n/inner_k/num_warps/num_stages
-  matmul[:CFG]  `ops.moe.moe_gathered(kernel="matmul")`: the Pallas grouped products
+  matmul[:CFG]  `ops.moe.moe_gathered(kernel=True)`: the Pallas grouped products
                 (jaxspec/pallas/expert_matmul.py); CFG = block_m/block_n/inner_k/num_warps/num_stages
   gathered      the jnp form: each pair's weights gathered (a copy), batched products
   ragged        `ops.moe.moe_ragged` (jax.lax.ragged_dot over expert-sorted rows)
@@ -40,8 +38,7 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument(
         "--variants",
-        default="gemv,gemv:128/32/4/3,gemv:256/64/4/3,gemv:512/16/4/3,matmul,matmul:16/128/64/4/3,"
-        "matmul:16/256/128/8/3,matmul:32/256/64/4/4,gathered,ragged",
+        default="matmul,matmul:16/256/64/4/3,matmul:16/128/128/8/3,matmul:32/128/64/4/4,gathered,ragged",
     )
     ap.add_argument("--reps", type=int, default=20)
     benchutil.add_common_args(ap, budget=False)
@@ -50,7 +47,6 @@ def parse(argv=None):
 
 def variant_fn(name):
     from jaxspec.ops import moe
-    from jaxspec.pallas.expert_gemv import ExpertGemvConfig
     from jaxspec.pallas.expert_matmul import ExpertMatmulConfig
 
     if name == "gathered":
@@ -58,17 +54,15 @@ def variant_fn(name):
     if name == "ragged":
         return moe.moe_ragged
     kind, _, cfg = name.partition(":")
-    if kind not in ("gemv", "matmul"):
+    if kind != "matmul":
         raise SystemExit(f"--variants: unknown variant {name!r}")
     config = None
     if cfg:
-        fields = ["block_n", "inner_k", "num_warps", "num_stages"]
-        fields = ["block_m", *fields] if kind == "matmul" else fields
-        cls = ExpertMatmulConfig if kind == "matmul" else ExpertGemvConfig
-        config = cls(**dict(zip(fields, map(int, cfg.split("/")), strict=True)))
+        fields = ["block_m", "block_n", "inner_k", "num_warps", "num_stages"]
+        config = ExpertMatmulConfig(**dict(zip(fields, map(int, cfg.split("/")), strict=True)))
 
     def fn(x, weights, experts, gate_up, down, valid):
-        return moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=kind, config=config)
+        return moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True, config=config)
 
     return fn
 

@@ -565,7 +565,7 @@ def test_auto_path_by_pair_count(t, n_experts, top_k):
     got = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="auto"))
     pairs = t * top_k
     if jax.default_backend() == "gpu" and pairs <= moe.KERNEL_PAIRS_PER_EXPERT * n_experts:
-        want = moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel="matmul")
+        want = moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
     elif 3 * pairs <= n_experts:
         want = moe.moe_gathered(x, weights, experts, gate_up, down, valid)
     else:

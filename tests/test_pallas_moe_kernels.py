@@ -1,8 +1,7 @@
-"""The MoE expert kernels against their jnp references and a float64 numpy oracle: the per-pair
-gathered products (jaxspec/pallas/expert_gemv.py) and the grouped products
-(jaxspec/pallas/expert_matmul.py); interpret mode on the CPU, the real kernels on a GPU (same
-tests), and the H200 Triton lowering of the MoE benchmark shapes on the CPU. Through `ops.moe`, the
-routed experts with impl="pallas" against the jnp gathered form and the dense reference.
+"""The grouped expert products (jaxspec/pallas/expert_matmul.py) against their jnp reference and a
+float64 numpy oracle: interpret mode on the CPU, the real kernel on a GPU (same tests), and the
+H200 Triton lowering of the MoE benchmark shapes on the CPU. Through `ops.moe`, the routed experts
+with impl="pallas" against the jnp gathered form and the dense reference.
 """
 
 import jax
@@ -13,25 +12,9 @@ import pytest
 from gpu_lowering import lower_for_h200
 
 from jaxspec.ops import moe
-from jaxspec.pallas import expert_gemv as eg
 from jaxspec.pallas import expert_matmul as em
 
 ON_GPU = jax.default_backend() == "gpu"
-
-
-def gemv(x, ids, live, w, rows_div, **kw):
-    return jnp.sum(eg.expert_gemv(x, ids, live, w, rows_div=rows_div, **kw), axis=0)
-
-
-def matmul(x, ids, live, w, rows_div, **kw):
-    return em.expert_matmul(x, ids, live, w, rows_div=rows_div, **kw)
-
-
-# name: (products -> [P, N] float32, its config with small tiles, reference)
-KERNELS = {
-    "gemv": (gemv, eg.ExpertGemvConfig(block_n=16, inner_k=8), eg.expert_gemv_reference),
-    "matmul": (matmul, em.ExpertMatmulConfig(block_n=16, inner_k=16), em.expert_matmul_reference),
-}
 
 
 def oracle_products(x, ids, live, w, rows_div):
@@ -64,18 +47,19 @@ CASES = {
 }
 
 
+SMALL = em.ExpertMatmulConfig(block_n=16, inner_k=16)  # several n tiles and k splits at these sizes
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kernel", list(KERNELS))
-def test_kernel_matches_reference_and_oracle(kernel, case, dtype):
-    products, config, reference = KERNELS[kernel]
+def test_kernel_matches_reference_and_oracle(case, dtype):
     pairs, rows_div, k, n, n_experts, dead = CASES[case]
     rng = np.random.default_rng(oracle.seed_of("expert-products", case, str(jnp.dtype(dtype))))
     x, ids, live, w = make_case(rng, pairs, rows_div, k, n, n_experts, dtype, dead)
-    out = jax.jit(lambda *a: products(*a, rows_div, config=config))(x, ids, live, w)
+    out = jax.jit(lambda *a: em.expert_matmul(*a, rows_div=rows_div, config=SMALL))(x, ids, live, w)
     assert out.shape == (pairs, n) and out.dtype == jnp.float32
     got = np.asarray(out)
-    ref = np.asarray(jax.jit(lambda *a: reference(*a, rows_div=rows_div))(x, ids, live, w))
+    ref = np.asarray(jax.jit(lambda *a: em.expert_matmul_reference(*a, rows_div=rows_div))(x, ids, live, w))
     want = oracle_products(x, ids, live, w, rows_div)
     # float32 sums of exact products (bf16 x bf16 is exact in float32): the kernel, the reference
     # and the oracle differ by summation order only, ~1e-7 of max|oracle| at these K
@@ -84,27 +68,14 @@ def test_kernel_matches_reference_and_oracle(kernel, case, dtype):
     assert np.all(got[~np.asarray(live)] == 0.0), "dead pairs must be exact zeros"
 
 
-def test_gemv_writes_every_split():
-    """The per-pair kernel's split-K partials: one [P, N] slice a split, dead pairs 0 in each."""
-    rng = np.random.default_rng(oracle.seed_of("expert-gemv-splits"))
-    x, ids, live, w = make_case(rng, 5, 1, 40, 24, 4, jnp.float32, dead=(2,))
-    config = eg.ExpertGemvConfig(block_n=16, inner_k=8)
-    out = np.asarray(eg.expert_gemv(x, ids, live, w, config=config))
-    assert out.shape == (5, 5, 24)  # block_k 8: ceil(40 / 8) splits
-    assert np.all(out[:, 2] == 0.0)
-    oracle.assert_close(out.sum(axis=0), oracle_products(x, ids, live, w, 1), 2e-6, "sum of splits")
-
-
-@pytest.mark.parametrize("kernel", list(KERNELS))
-def test_dead_pairs_read_nothing(kernel):
+def test_dead_pairs_read_nothing():
     """A dead pair's expert id may be anything, its row NaN: its output is 0 and no other pair moves."""
-    products, config, _ = KERNELS[kernel]
     rng = np.random.default_rng(oracle.seed_of("expert-dead"))
     x, ids, live, w = make_case(rng, 5, 1, 24, 40, 4, jnp.float32, dead=(1, 3))
     x = x.at[1].set(jnp.nan).at[3].set(jnp.inf)
     bad_ids = ids.at[1].set(10**6).at[3].set(-7)  # out of range: must never be dereferenced
-    clean = np.asarray(products(x, ids, live, w, 1, config=config))
-    got = np.asarray(products(x, bad_ids, live, w, 1, config=config))
+    clean = np.asarray(em.expert_matmul(x, ids, live, w, config=SMALL))
+    got = np.asarray(em.expert_matmul(x, bad_ids, live, w, config=SMALL))
     np.testing.assert_array_equal(got, clean)
     assert np.all(got[[1, 3]] == 0.0) and np.all(np.isfinite(got))
 
@@ -124,74 +95,72 @@ def test_groups_list_each_hit_expert_once():
 
 def test_split_length_depends_on_the_matrix_only():
     """block_k comes from (K, N) alone: a token's sums are grouped the same way at every batch,
-    and a pair spans PROGRAMS_PER_PAIR programs at the MoE shapes (8 pairs fill the H200)."""
-    cfg = eg.ExpertGemvConfig()
-    assert cfg.resolve(2048, 1024) == (256, 256, 32)  # gate_up of 35B-A3B / 80B-A3B: 4 x 8 programs
-    assert cfg.resolve(512, 2048) == (256, 128, 32)  # down: 8 x 4 programs
-    assert cfg.resolve(40, 24) == (32, 32, 32)
-    assert eg.ExpertGemvConfig(block_k=64).resolve(2048, 1024) == (256, 64, 32)
-    mm = em.ExpertMatmulConfig()
-    assert mm.resolve(2048, 1024) == (256, 256, 64) and mm.resolve(512, 2048) == (256, 128, 64)
-    assert mm.resolve(8, 8) == (16, 16, 16)  # MMA operands are at least 16 x 16
+    and an expert spans PROGRAMS_PER_GROUP programs at the MoE shapes (8 experts fill the GPU)."""
+    cfg = em.ExpertMatmulConfig()
+    assert cfg.resolve(2048, 1024) == (128, 512, 64)  # gate_up of 35B-A3B / 80B-A3B: 8 x 4 programs
+    assert cfg.resolve(512, 2048) == (128, 256, 64)  # down: 16 x 2 programs
+    assert cfg.resolve(40, 24) == (32, 64, 64)
+    assert cfg.resolve(8, 8) == (16, 16, 16)  # MMA operands are at least 16 x 16
+    assert em.ExpertMatmulConfig(block_k=128).resolve(2048, 1024) == (128, 128, 64)
 
 
 def test_config_validation():
-    for field, bad in [("block_n", 100), ("block_n", 8), ("inner_k", 3), ("num_warps", 3), ("block_k", 48)]:
-        with pytest.raises(ValueError, match=field):
-            eg.ExpertGemvConfig(**{field: bad})
+    for field, bad in [
+        ("block_n", 100),
+        ("block_n", 8),
+        ("inner_k", 3),
+        ("inner_k", 8),  # below the MMA's 16
+        ("block_m", 8),
+        ("num_warps", 3),
+        ("block_k", 48),
+    ]:
         with pytest.raises(ValueError, match=field):
             em.ExpertMatmulConfig(**{field: bad})
-    for field, bad in [("block_m", 8), ("inner_k", 8)]:  # below the MMA's 16
-        with pytest.raises(ValueError, match=field):
-            em.ExpertMatmulConfig(**{field: bad})
-    for cls in (eg.ExpertGemvConfig, em.ExpertMatmulConfig):
-        with pytest.raises(ValueError, match="block_k"):
-            cls(block_k=16, inner_k=32)
-        with pytest.raises(ValueError, match="num_stages"):
-            cls(num_stages=0)
+    with pytest.raises(ValueError, match="block_k"):
+        em.ExpertMatmulConfig(block_k=16, inner_k=32)
+    with pytest.raises(ValueError, match="num_stages"):
+        em.ExpertMatmulConfig(num_stages=0)
 
 
-@pytest.mark.parametrize("mod", [eg, em], ids=["gemv", "matmul"])
-def test_supports(mod):
+def test_supports():
     S = jax.ShapeDtypeStruct
     x, ids, live, w = S((2, 64), jnp.bfloat16), S((8,), jnp.int32), S((8,), bool), S((16, 64, 32), jnp.bfloat16)
-    assert mod.supports(x, ids, live, w, 4)
-    assert not mod.supports(x, ids, live, w, 3)  # 8 pairs need 3 rows at 3 pairs a row
-    assert not mod.supports(x, ids, live, S((16, 64, 32), jnp.float32))  # mixed dtypes
-    assert not mod.supports(S((2, 64), jnp.float16), ids, live, S((16, 64, 32), jnp.float16), 4)
-    assert not mod.supports(x, ids, S((7,), bool), w, 4)
-    assert not mod.supports(x, ids, live, S((16, 63, 32), jnp.bfloat16), 4)
-    fn = eg.expert_gemv if mod is eg else em.expert_matmul
-    with pytest.raises(ValueError, match=fn.__name__):
-        fn(jnp.zeros((2, 64)), jnp.zeros(8, jnp.int32), jnp.ones(8, bool), jnp.zeros((4, 32, 8)))
+    assert em.supports(x, ids, live, w, 4)
+    assert not em.supports(x, ids, live, w, 3)  # 8 pairs need 3 rows at 3 pairs a row
+    assert not em.supports(x, ids, live, S((16, 64, 32), jnp.float32))  # mixed dtypes
+    assert not em.supports(S((2, 64), jnp.float16), ids, live, S((16, 64, 32), jnp.float16), 4)
+    assert not em.supports(x, ids, S((7,), bool), w, 4)
+    assert not em.supports(x, ids, live, S((16, 63, 32), jnp.bfloat16), 4)
+    with pytest.raises(ValueError, match="expert_matmul"):
+        em.expert_matmul(jnp.zeros((2, 64)), jnp.zeros(8, jnp.int32), jnp.ones(8, bool), jnp.zeros((4, 32, 8)))
 
 
-@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize(
-    "name,pairs,rows_div,k,n,n_experts",
+    "name,pairs,rows_div,k,n,n_experts,dtype",
     [
-        ("35b-a3b-gate-up", 64, 8, 2048, 1024, 256),
-        ("35b-a3b-down", 64, 1, 512, 2048, 256),
-        ("80b-a3b-gate-up", 10, 10, 2048, 1024, 512),
+        ("35b-a3b-gate-up", 64, 8, 2048, 1024, 256, jnp.bfloat16),
+        ("35b-a3b-down", 64, 1, 512, 2048, 256, jnp.bfloat16),
+        ("80b-a3b-gate-up", 10, 10, 2048, 1024, 512, jnp.bfloat16),
+        ("f32-verify", 640, 10, 2048, 1024, 512, jnp.float32),
     ],
 )
-def test_lowers_for_h200(kernel, name, pairs, rows_div, k, n, n_experts):
-    """The Triton lowering of the benchmark shapes (batch 8 x top-8, batch 1 x top-10), on the CPU."""
-    products = KERNELS[kernel][0]
+def test_lowers_for_h200(name, pairs, rows_div, k, n, n_experts, dtype):
+    """The Triton lowering of the benchmark shapes (batch 8 x top-8, batch 1 x top-10, a float32
+    verify window of 64 tokens), on the CPU."""
     S = jax.ShapeDtypeStruct
     args = (
-        S((-(-pairs // rows_div), k), jnp.bfloat16),
+        S((-(-pairs // rows_div), k), dtype),
         S((pairs,), jnp.int32),
         S((pairs,), bool),
-        S((n_experts, k, n), jnp.bfloat16),
+        S((n_experts, k, n), dtype),
     )
-    text = lower_for_h200(lambda *a: products(*a, rows_div, interpret=False), *args)
-    assert f"expert_{kernel}" in text, name
+    text = lower_for_h200(lambda *a: em.expert_matmul(*a, rows_div=rows_div, interpret=False), *args)
+    assert "expert_matmul" in text, name
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_routed_experts_through_the_kernel(dtype):
-    """ops.moe.moe_experts with impl="pallas" (a decode-sized call: 3·T·k <= E) runs the kernel and
+    """ops.moe.moe_experts with impl="pallas" (a decode-sized call: T·k <= 8·E) runs the kernel and
     agrees with the jnp gathered form and the dense reference; padding rows get exactly 0."""
     rng = np.random.default_rng(oracle.seed_of("moe-kernel", str(jnp.dtype(dtype))))
     t, d, n_experts, ie, top_k = 3, 40, 20, 12, 2
@@ -202,6 +171,8 @@ def test_routed_experts_through_the_kernel(dtype):
     valid = jnp.asarray([True, False, True])
     weights, experts = moe.route(x, router, top_k, True)
     kernel = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="pallas"), np.float32)
+    direct = moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
+    np.testing.assert_array_equal(kernel, np.asarray(direct, np.float32), "impl='pallas' runs the kernel")
     gathered = np.asarray(moe.moe_gathered(x, weights, experts, gate_up, down, valid), np.float32)
     ref = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="ref"), np.float32)
     assert np.all(kernel[1] == 0.0)

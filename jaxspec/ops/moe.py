@@ -20,15 +20,15 @@ Three implementations of the routed experts, picked by `impl` like every op (ops
   verify windows, small prefills): each (token, expert) pair times its own expert's weights. On a
   GPU (or impl "pallas") the Pallas grouped products (`jaxspec/pallas/expert_matmul.py`) read each
   hit expert once, in place, for all the tokens that chose it; the jnp form gathers each pair's
-  weights (a copy) before batched matrix-vector products (`kernel="gemv"`: the per-pair Pallas
-  products, for comparison). All read only the experts the tokens hit, where XLA's GPU
-  `ragged_dot` computes every expert whatever the routing (measured: bench/RESULTS.md, MoE rows).
-- `moe_ragged` (above those bounds): the T·k (token, expert)
-  pairs sorted by expert id, two `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the
-  k results of a token combined in float32. No capacity limit: a group is as long as its expert's
-  tokens. Rows with valid = False go to a null group past the E real ones (sorted last, outside
-  every group size), so no expert computes them, and the combine selects them away (whatever
-  ragged_dot leaves in rows outside its groups: zeros on the CPU).
+  weights (a copy) before batched matrix-vector products. Both read only the experts the tokens
+  hit, where XLA's GPU `ragged_dot` computes every expert whatever the routing (measured:
+  bench/RESULTS.md, MoE rows).
+- `moe_ragged` (above those bounds): the T·k (token, expert) pairs sorted by expert id, two
+  `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the k results of a token combined in
+  float32. No capacity limit: a group is as long as its expert's tokens. Rows with valid = False
+  go to a null group past the E real ones (sorted last, outside every group size), so no expert
+  computes them, and the combine selects them away (whatever ragged_dot leaves in rows outside its
+  groups: zeros on the CPU).
 - `moe_reference` (impl "ref", the oracle): every expert on every token, combined through the
   dense [T, E] routing weights.
 All select (`where`), never multiply by a zero weight, so a non-finite value in one row (or in an
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from jaxspec.ops.dispatch import IMPLS, use_kernel
 from jaxspec.ops.linear import HIGHEST, dense, swiglu_mlp
-from jaxspec.pallas import expert_gemv as pallas_expert_gemv
 from jaxspec.pallas import expert_matmul as pallas_expert_matmul
 
 
@@ -100,13 +99,10 @@ def _dense_precision(dtype):
     return (HIGHEST, jnp.float32) if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else (None, None)
 
 
-def _gathered_products(x, ids, live, w, rows_div: int, kernel, config=None):
+def _gathered_products(x, ids, live, w, rows_div: int, kernel: bool, config=None):
     """Pair p's row x[p // rows_div] times its expert's w[ids[p]]: [P, N] rounded to x.dtype (dead
-    pairs: 0 from a kernel, whatever the product is from the jnp form; the caller selects them away)."""
-    if kernel == "gemv":
-        partial = pallas_expert_gemv.expert_gemv(x, ids, live, w, rows_div=rows_div, config=config)  # [S, P, N]
-        return jnp.sum(partial, axis=0).astype(x.dtype)
-    if kernel == "matmul":
+    pairs: 0 from the kernel, whatever the product is from the jnp form; the caller selects them away)."""
+    if kernel:
         return pallas_expert_matmul.expert_matmul(x, ids, live, w, rows_div=rows_div, config=config).astype(x.dtype)
     prec, acc = _dense_precision(x.dtype)
     rows = x if rows_div == 1 else jnp.repeat(x, rows_div, axis=0)  # [P, K]
@@ -114,14 +110,13 @@ def _gathered_products(x, ids, live, w, rows_div: int, kernel, config=None):
     return y.astype(x.dtype)
 
 
-def moe_gathered(x, weights, experts, gate_up, down, valid, *, kernel=None, config=None):
+def moe_gathered(x, weights, experts, gate_up, down, valid, *, kernel: bool = False, config=None):
     """Routed experts by each (token, expert) pair's own weights. Same arguments and result as
     `moe_ragged` (each product rounded to x.dtype, the k outputs combined in float32).
 
-    kernel=None: the pair's weights gathered (a copy), then batched products; "gemv": the Pallas
-    per-pair products (`jaxspec.pallas.expert_gemv`), which read each pair's expert in place;
-    "matmul": the Pallas grouped products (`jaxspec.pallas.expert_matmul`), which read each hit
-    expert once; config: that kernel's config (None: its default).
+    kernel=False: the pair's weights gathered (a copy), then batched products; kernel=True: the
+    Pallas grouped products (`jaxspec.pallas.expert_matmul`), which read each hit expert once, in
+    place; config: its ExpertMatmulConfig (None: the default).
     """
     t, k = experts.shape
     pairs = experts.reshape(-1)  # [T*k]
@@ -165,19 +160,21 @@ def moe_experts(x, weights, experts, gate_up, down, valid, *, impl="auto"):
     if impl == "ref":
         return moe_reference(x, weights, experts, gate_up, down, valid)
     n_experts = gate_up.shape[0]
-    if experts.size <= n_experts:
+    if experts.size <= KERNEL_PAIRS_PER_EXPERT * n_experts:
         pairs, live = experts.reshape(-1), jnp.repeat(valid, experts.shape[1])
         act = jax.ShapeDtypeStruct((pairs.shape[0], down.shape[1]), x.dtype)  # [T*k, Ie]
         kernel = use_kernel(
             "moe_gathered",
             impl,
             lambda: (
-                pallas_expert_gemv.supports(x, pairs, live, gate_up, experts.shape[1])
-                and pallas_expert_gemv.supports(act, pairs, live, down)
+                pallas_expert_matmul.supports(x, pairs, live, gate_up, experts.shape[1])
+                and pallas_expert_matmul.supports(act, pairs, live, down)
             ),
         )
-        if kernel or 3 * experts.size <= n_experts:
-            return moe_gathered(x, weights, experts, gate_up, down, valid, kernel="gemv" if kernel else None)
+        if kernel:
+            return moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
+    if 3 * experts.size <= n_experts:
+        return moe_gathered(x, weights, experts, gate_up, down, valid)
     return moe_ragged(x, weights, experts, gate_up, down, valid)
 
 

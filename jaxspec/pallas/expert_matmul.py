@@ -45,8 +45,9 @@ class ExpertMatmulConfig:
     """Tile sizes of the grouped products.
 
     block_m: rows of a group multiplied per pass over the tile (16: the MMA's least M).
-    block_n: output columns per program (clipped to N's next power of two, at least 16); 256 bf16
-      columns are 512 contiguous bytes a weight row.
+    block_n: output columns per program (clipped to N's next power of two, at least 16); 128 bf16
+      columns are 256 contiguous bytes a weight row (128 and 256 within 4% on the H100:
+      bench/RESULTS.md).
     block_k: reduction rows per program (None: chosen by `resolve` so an expert spans
       PROGRAMS_PER_GROUP programs).
     inner_k: reduction rows per MMA step ([inner_k, block_n] weights in flight at a time).
@@ -54,7 +55,7 @@ class ExpertMatmulConfig:
     """
 
     block_m: int = 16
-    block_n: int = 256
+    block_n: int = 128
     block_k: int | None = None
     inner_k: int = 64
     num_warps: int = 4
