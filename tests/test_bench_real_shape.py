@@ -197,3 +197,16 @@ def test_kernel_scope_mapping():
     assert [u["kernel"] for u in out["unmapped"]] == ["mystery"] and out["unmapped_ms"] == 1e-3
     assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "nvjet_gemm"  # the longest
     assert rs.map_events([], 1, lambda: HLO) is None
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    """Overlapping kernels (a CUDA graph's concurrent nodes) count once; gaps do not count; order
+    of the events does not matter."""
+    from jaxspec.bench.trace import busy_ns
+
+    events = [(0, 10, "a"), (5, 10, "b"), (30, 5, "c"), (31, 2, "d"), (20, 1, "e"), (34, 6, "f")]
+    assert busy_ns(events) == 15 + 1 + 10  # [0, 15) + [20, 21) + [30, 40)
+    assert busy_ns(events[::-1]) == 26
+    assert busy_ns([]) == 0
+    assert busy_ns([(7, 0, "empty"), (7, 3, "g")]) == 3
+    assert sum(e[1] for e in events) == 34  # what a plain sum would have said

@@ -160,6 +160,22 @@ def trace_events(fn, calls):
     return traced(run)
 
 
+def busy_ns(events) -> int:
+    """Time (ns) during which at least one of the events runs: the union of their [start, start +
+    duration) intervals. Kernels of one step can overlap (a CUDA graph runs independent nodes
+    concurrently), so the summed durations can exceed the time the GPU was busy."""
+    total, end = 0, None
+    for start, dur, *_ in sorted(events, key=lambda e: e[0]):
+        stop = start + dur
+        if end is None or start >= end:
+            total += dur
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
 def is_copy(event) -> bool:
     """A memcpy / memset event (not a kernel)."""
     return "memcpy" in event[2].lower() or "memset" in event[2].lower()
