@@ -7,6 +7,7 @@ own random routing, k distinct experts a token), so no layer's experts stay in L
 experts of one layer, 8 x 6.3 MB, would fit) from one call to the next. Variants:
   matmul[:CFG]  `ops.moe.moe_gathered(kernel=True)`: the Pallas grouped products
                 (jaxspec/pallas/expert_matmul.py); CFG = block_m/block_n/inner_k/num_warps/num_stages
+                [/direct_pairs] (the default config: the sorted form at every T)
   gathered      the jnp form: each pair's weights gathered (a copy), batched products
   ragged        `ops.moe.moe_ragged` (jax.lax.ragged_dot over expert-sorted rows)
 Floor = the distinct hit experts' weight bytes (gate_up + down) / the fastest copy of the run
@@ -38,7 +39,7 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument(
         "--variants",
-        default="matmul,matmul:16/256/64/4/3,matmul:16/128/128/8/3,matmul:32/128/64/4/4,gathered,ragged",
+        default="matmul,matmul:16/128/64/4/3/128,matmul:16/256/64/4/3/128,matmul:16/128/128/8/3/128,gathered,ragged",
     )
     ap.add_argument("--reps", type=int, default=20)
     benchutil.add_common_args(ap, budget=False)
@@ -58,8 +59,8 @@ def variant_fn(name):
         raise SystemExit(f"--variants: unknown variant {name!r}")
     config = None
     if cfg:
-        fields = ["block_m", "block_n", "inner_k", "num_warps", "num_stages"]
-        config = ExpertMatmulConfig(**dict(zip(fields, map(int, cfg.split("/")), strict=True)))
+        fields = ["block_m", "block_n", "inner_k", "num_warps", "num_stages", "direct_pairs"]
+        config = ExpertMatmulConfig(**dict(zip(fields, map(int, cfg.split("/")))))
 
     def fn(x, weights, experts, gate_up, down, valid):
         return moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True, config=config)

@@ -48,15 +48,17 @@ CASES = {
 
 
 SMALL = em.ExpertMatmulConfig(block_n=16, inner_k=16)  # several n tiles and k splits at these sizes
+FORMS = {"direct": em.ExpertMatmulConfig(block_n=16, inner_k=16, direct_pairs=128), "sorted": SMALL}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_matches_reference_and_oracle(case, dtype):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_kernel_matches_reference_and_oracle(form, case, dtype):
     pairs, rows_div, k, n, n_experts, dead = CASES[case]
     rng = np.random.default_rng(oracle.seed_of("expert-products", case, str(jnp.dtype(dtype))))
     x, ids, live, w = make_case(rng, pairs, rows_div, k, n, n_experts, dtype, dead)
-    out = jax.jit(lambda *a: em.expert_matmul(*a, rows_div=rows_div, config=SMALL))(x, ids, live, w)
+    out = jax.jit(lambda *a: em.expert_matmul(*a, rows_div=rows_div, config=FORMS[form]))(x, ids, live, w)
     assert out.shape == (pairs, n) and out.dtype == jnp.float32
     got = np.asarray(out)
     ref = np.asarray(jax.jit(lambda *a: em.expert_matmul_reference(*a, rows_div=rows_div))(x, ids, live, w))
@@ -68,14 +70,15 @@ def test_kernel_matches_reference_and_oracle(case, dtype):
     assert np.all(got[~np.asarray(live)] == 0.0), "dead pairs must be exact zeros"
 
 
-def test_dead_pairs_read_nothing():
+@pytest.mark.parametrize("form", list(FORMS))
+def test_dead_pairs_read_nothing(form):
     """A dead pair's expert id may be anything, its row NaN: its output is 0 and no other pair moves."""
     rng = np.random.default_rng(oracle.seed_of("expert-dead"))
     x, ids, live, w = make_case(rng, 5, 1, 24, 40, 4, jnp.float32, dead=(1, 3))
     x = x.at[1].set(jnp.nan).at[3].set(jnp.inf)
     bad_ids = ids.at[1].set(10**6).at[3].set(-7)  # out of range: must never be dereferenced
-    clean = np.asarray(em.expert_matmul(x, ids, live, w, config=SMALL))
-    got = np.asarray(em.expert_matmul(x, bad_ids, live, w, config=SMALL))
+    clean = np.asarray(em.expert_matmul(x, ids, live, w, config=FORMS[form]))
+    got = np.asarray(em.expert_matmul(x, bad_ids, live, w, config=FORMS[form]))
     np.testing.assert_array_equal(got, clean)
     assert np.all(got[[1, 3]] == 0.0) and np.all(np.isfinite(got))
 
@@ -113,6 +116,8 @@ def test_config_validation():
         ("block_m", 8),
         ("num_warps", 3),
         ("block_k", 48),
+        ("direct_pairs", -1),
+        ("direct_pairs", 512),
     ]:
         with pytest.raises(ValueError, match=field):
             em.ExpertMatmulConfig(**{field: bad})
@@ -136,17 +141,19 @@ def test_supports():
 
 
 @pytest.mark.parametrize(
-    "name,pairs,rows_div,k,n,n_experts,dtype",
+    "name,pairs,rows_div,k,n,n_experts,dtype,kernel",
     [
-        ("35b-a3b-gate-up", 64, 8, 2048, 1024, 256, jnp.bfloat16),
-        ("35b-a3b-down", 64, 1, 512, 2048, 256, jnp.bfloat16),
-        ("80b-a3b-gate-up", 10, 10, 2048, 1024, 512, jnp.bfloat16),
-        ("f32-verify", 640, 10, 2048, 1024, 512, jnp.float32),
+        ("35b-a3b-gate-up", 64, 8, 2048, 1024, 256, jnp.bfloat16, "expert_matmul_direct"),
+        ("35b-a3b-down", 64, 1, 512, 2048, 256, jnp.bfloat16, "expert_matmul_direct"),
+        ("80b-a3b-gate-up", 10, 10, 2048, 1024, 512, jnp.bfloat16, "expert_matmul_direct"),
+        ("35b-a3b-verify-b8", 512, 8, 2048, 1024, 256, jnp.bfloat16, "expert_matmul"),
+        ("f32-verify", 640, 10, 2048, 1024, 512, jnp.float32, "expert_matmul"),
+        ("f32-decode", 80, 10, 2048, 1024, 512, jnp.float32, "expert_matmul_direct"),
     ],
 )
-def test_lowers_for_h200(name, pairs, rows_div, k, n, n_experts, dtype):
-    """The Triton lowering of the benchmark shapes (batch 8 x top-8, batch 1 x top-10, a float32
-    verify window of 64 tokens), on the CPU."""
+def test_lowers_for_h200(name, pairs, rows_div, k, n, n_experts, dtype, kernel):
+    """The Triton lowering of the benchmark shapes (decode at batch 8 x top-8 and batch 1 x top-10:
+    the direct form; verify windows of 64 tokens: the sorted form), on the CPU."""
     S = jax.ShapeDtypeStruct
     args = (
         S((-(-pairs // rows_div), k), dtype),
@@ -154,8 +161,10 @@ def test_lowers_for_h200(name, pairs, rows_div, k, n, n_experts, dtype):
         S((pairs,), bool),
         S((n_experts, k, n), dtype),
     )
-    text = lower_for_h200(lambda *a: em.expert_matmul(*a, rows_div=rows_div, interpret=False), *args)
-    assert "expert_matmul" in text, name
+    config = em.ExpertMatmulConfig(direct_pairs=128)
+    text = lower_for_h200(lambda *a: em.expert_matmul(*a, rows_div=rows_div, config=config, interpret=False), *args)
+    direct = "expert_matmul_direct" in text
+    assert "expert_matmul" in text and direct == (kernel == "expert_matmul_direct"), name
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -7,19 +7,24 @@ reads row p // rows_div of x:
 
     out[p, n] = Σ_k x[p // rows_div, k] · w[ids[p], k, n]     (float32) for live pairs, 0 for dead ones
 
-Design (memory-bound at decode and verify sizes: the bytes are the hit experts' weights):
-* The wrapper sorts the live pairs by expert (XLA: an argsort of P ids) and lists the groups
-  (expert, first sorted position, count): at most G = min(E, P) groups, so the grid never walks
-  experts that no token chose (XLA's GPU `ragged_dot` computes all of them).
-* Grid (G, N / block_n, K / block_k): a program streams one [block_k, block_n] tile of its group's
-  expert and multiplies it into the group's rows, block_m at a time (the rows are gathered from x
-  by the sorted pairs' row index) on the tensor cores; a group of more than block_m rows re-reads
-  its tile from L2. The reduction is split over K / block_k programs (split-K: a decode step's
-  8-80 pairs would not fill the GPU otherwise); the wrapper sums the float32 partials and puts the
-  rows back in pair order. block_k comes from (K, N) alone, so a token's sums never depend on the
-  batch it ran in.
-* Unused groups (fewer distinct experts than G) and dead pairs (padding rows, the null slot) load
-  nothing; dead pairs' rows are selected to 0 by the wrapper.
+Design (memory-bound at decode and verify sizes: the bytes are the hit experts' weights): every
+program streams one [block_k, block_n] tile of one hit expert and multiplies it into all the rows
+that chose that expert, on the tensor cores, so each hit expert is read once and experts that no
+token chose are never walked (XLA's GPU `ragged_dot` computes all of them). The reduction is split
+over K / block_k programs (split-K: a decode step's 8-80 pairs would not fill the GPU otherwise);
+the wrapper sums the float32 partials. block_k comes from (K, N) alone, so a token's sums never
+depend on the batch it ran in. Two forms find an expert's rows:
+* direct (P <= `direct_pairs`: decode, small verify windows): grid (P, N / block_n, K / block_k);
+  each program loads all P expert ids, and the lowest live pair of an expert multiplies its tile
+  into every pair of that expert (one MMA block of all P rows, the others masked), writing in
+  pair order; the other pairs' programs return at once. No sort, no XLA work around the kernel
+  but the partial sum (at one token, the sort's small XLA kernels cost more than the tiles).
+* sorted (more pairs): the wrapper sorts the live pairs by expert (an XLA argsort) and lists the
+  groups (expert, first sorted position, count), at most G = min(E, P); grid (G, N / block_n,
+  K / block_k), a group's rows block_m at a time (gathered from x by the sorted pairs' row index;
+  a group of more than block_m rows re-reads its tile from L2); the rows go back to pair order.
+* Dead pairs (padding rows, the null slot) and unused groups load nothing; dead pairs' rows are
+  selected to 0 by the wrapper.
 Products: bf16 x bf16 products are exact in float32 (the MMA accumulates in float32); float32
 inputs use the full-precision dot (no TF32), as `dense` at HIGHEST.
 """
@@ -52,6 +57,11 @@ class ExpertMatmulConfig:
       PROGRAMS_PER_GROUP programs).
     inner_k: reduction rows per MMA step ([inner_k, block_n] weights in flight at a time).
     num_warps / num_stages: Triton launch parameters (stages pipeline the inner loop's loads).
+    direct_pairs: up to this many pairs (P), the direct form: no sort; all P pairs are one MMA
+      block of next_pow2(P) rows (at least 16) and each expert's lowest pair does its expert's
+      programs. Above it, the sorted form. 0 (the sorted form always) until the direct form has
+      run on a GPU (it has run in interpret mode and lowered for the H200 only); 128 would cover
+      decode up to batch 16 at top-8.
     """
 
     block_m: int = 16
@@ -60,6 +70,7 @@ class ExpertMatmulConfig:
     inner_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    direct_pairs: int = 0
 
     def __post_init__(self):
         check_pow2_fields(
@@ -71,6 +82,8 @@ class ExpertMatmulConfig:
                 raise ValueError(f"ExpertMatmulConfig.block_k={self.block_k}: must be >= inner_k={self.inner_k}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"ExpertMatmulConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
+        if not isinstance(self.direct_pairs, int) or not 0 <= self.direct_pairs <= 256:
+            raise ValueError(f"ExpertMatmulConfig.direct_pairs={self.direct_pairs!r}: must be an int in [0, 256]")
 
     def resolve(self, k: int, n: int) -> tuple[int, int, int]:
         """(block_n, block_k, inner_k) for a [K, N] weight matrix (MMA operands need >= 16)."""
@@ -123,40 +136,66 @@ def expert_groups(ids, live, n_experts: int):
     return order, group_expert, group_start, group_count
 
 
-def _kernel(
-    gexp_ref, gstart_ref, gcount_ref, src_ref, x_ref, w_ref, out_ref, *, block_m, block_n, block_k, inner_k, precision
-):
-    f32 = jnp.float32
+def _expert_tile(x_ref, w_ref, src, rmask, e, k0, n0, cmask, *, rows, block_n, block_k, inner_k, precision):
+    """[rows, block_n] float32: rows src of x (those with rmask) times expert e's weight tile
+    w[e, k0 : k0 + block_k, n0 : n0 + block_n], inner_k reduction rows per MMA step."""
+    kd = w_ref.shape[1]
+
+    def step(i, acc):
+        ks = k0 + i * inner_k + jnp.arange(inner_k)
+        kmask = ks < kd
+        xs = plgpu.load(x_ref.at[src[:, None], ks[None, :]], mask=rmask[:, None] & kmask[None, :], other=0)
+        ws = plgpu.load(
+            w_ref.at[e, pl.ds(k0 + i * inner_k, inner_k), pl.ds(n0, block_n)],
+            mask=kmask[:, None] & cmask[None, :],
+            other=0,
+        )
+        return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32, precision=precision)
+
+    return lax.fori_loop(0, block_k // inner_k, step, jnp.zeros((rows, block_n), jnp.float32))
+
+
+def _sorted_kernel(gexp_ref, gstart_ref, gcount_ref, src_ref, x_ref, w_ref, out_ref, *, block_m, block_n, **tile):
+    """Program (group g, n tile, k split) of the sorted form: the group's rows, block_m at a time."""
     g, n0, s = pl.program_id(0), pl.program_id(1) * block_n, pl.program_id(2)
-    k0 = s * block_k
-    n_experts, kd, nd = w_ref.shape
     e, start, count = gexp_ref[g], gstart_ref[g], gcount_ref[g]
     cols = n0 + jnp.arange(block_n)
-    cmask = cols < nd
+    cmask = cols < w_ref.shape[2]
 
-    @pl.when((e < n_experts) & (count > 0))
+    @pl.when((e < w_ref.shape[0]) & (count > 0))
     def _():
         def row_block(c, carry):
             r = start + c * block_m + jnp.arange(block_m)  # sorted positions
             rmask = r < start + count
             src = plgpu.load(src_ref.at[r], mask=rmask, other=0)  # their rows of x
-
-            def step(i, acc):
-                ks = k0 + i * inner_k + jnp.arange(inner_k)
-                kmask = ks < kd
-                xs = plgpu.load(x_ref.at[src[:, None], ks[None, :]], mask=rmask[:, None] & kmask[None, :], other=0)
-                ws = plgpu.load(
-                    w_ref.at[e, pl.ds(k0 + i * inner_k, inner_k), pl.ds(n0, block_n)],
-                    mask=kmask[:, None] & cmask[None, :],
-                    other=0,
-                )
-                return acc + jnp.dot(xs, ws, preferred_element_type=f32, precision=precision)
-
-            acc = lax.fori_loop(0, block_k // inner_k, step, jnp.zeros((block_m, block_n), f32))
+            acc = _expert_tile(
+                x_ref, w_ref, src, rmask, e, s * tile["block_k"], n0, cmask, rows=block_m, block_n=block_n, **tile
+            )
             plgpu.store(out_ref.at[s, r[:, None], cols[None, :]], acc, mask=rmask[:, None] & cmask[None, :])
             return carry
 
         lax.fori_loop(0, pl.cdiv(count, block_m), row_block, 0)
+
+
+def _direct_kernel(ids_ref, live_ref, x_ref, w_ref, out_ref, *, pairs, pad, rows_div, block_n, **tile):
+    """Program (pair p, n tile, k split) of the direct form: the lowest live pair of each expert
+    multiplies the tile into every pair of that expert (all P pairs are one MMA block of `pad`
+    rows, those of other experts masked); the other pairs' programs return at once."""
+    p, n0, s = pl.program_id(0), pl.program_id(1) * block_n, pl.program_id(2)
+    q = jnp.arange(pad)
+    ids = plgpu.load(ids_ref.at[q], mask=q < pairs, other=-1)
+    live = plgpu.load(live_ref.at[q], mask=q < pairs, other=0) != 0
+    e = ids_ref[p]
+    mine = live & (ids == e)  # the pairs of p's expert
+    cols = n0 + jnp.arange(block_n)
+    cmask = cols < w_ref.shape[2]
+
+    @pl.when((live_ref[p] != 0) & (jnp.min(jnp.where(mine, q, pad)) == p))
+    def _():
+        acc = _expert_tile(
+            x_ref, w_ref, q // rows_div, mine, e, s * tile["block_k"], n0, cmask, rows=pad, block_n=block_n, **tile
+        )
+        plgpu.store(out_ref.at[s, q[:, None], cols[None, :]], acc, mask=mine[:, None] & cmask[None, :])
 
 
 def expert_matmul(x, ids, live, w, *, rows_div: int = 1, config: ExpertMatmulConfig | None = None, interpret=None):
@@ -174,16 +213,28 @@ def expert_matmul(x, ids, live, w, *, rows_div: int = 1, config: ExpertMatmulCon
     pairs = ids.shape[0]
     block_n, block_k, inner_k = config.resolve(kd, nd)
     splits = pl.cdiv(kd, block_k)
-    order, group_expert, group_start, group_count = expert_groups(ids.astype(jnp.int32), live, n_experts)
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32) else None
-    kernel = functools.partial(
-        _kernel, block_m=config.block_m, block_n=block_n, block_k=block_k, inner_k=inner_k, precision=precision
-    )
+    tile = dict(block_n=block_n, block_k=block_k, inner_k=inner_k, precision=precision)
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    out_shape = jax.ShapeDtypeStruct((splits, pairs, nd), jnp.float32)
+    ids = ids.astype(jnp.int32)
+    if pairs <= config.direct_pairs:
+        pad = max(16, next_pow2(pairs))
+        partial = pl.pallas_call(
+            functools.partial(_direct_kernel, pairs=pairs, pad=pad, rows_div=rows_div, **tile),
+            out_shape=out_shape,
+            grid=(pairs, pl.cdiv(nd, block_n), splits),
+            compiler_params=params,
+            interpret=interpret,
+            name="expert_matmul_direct",
+        )(ids, live.astype(jnp.int32), x, w)
+        return jnp.where(live[:, None], jnp.sum(partial, axis=0), 0.0)  # dead pairs' rows unwritten
+    order, group_expert, group_start, group_count = expert_groups(ids, live, n_experts)
     partial = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, pairs, nd), jnp.float32),
+        functools.partial(_sorted_kernel, block_m=config.block_m, **tile),
+        out_shape=out_shape,
         grid=(group_expert.shape[0], pl.cdiv(nd, block_n), splits),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="expert_matmul",
     )(group_expert, group_start, group_count, order // rows_div, x, w)
