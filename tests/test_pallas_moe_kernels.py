@@ -117,7 +117,7 @@ def test_config_validation():
         ("num_warps", 3),
         ("block_k", 48),
         ("direct_pairs", -1),
-        ("direct_pairs", 512),
+        ("direct_pairs", 256),
     ]:
         with pytest.raises(ValueError, match=field):
             em.ExpertMatmulConfig(**{field: bad})

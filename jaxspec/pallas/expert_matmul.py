@@ -61,7 +61,8 @@ class ExpertMatmulConfig:
       block of next_pow2(P) rows (at least 16) and each expert's lowest pair does its expert's
       programs. Above it, the sorted form. 0 (the sorted form always) until the direct form has
       run on a GPU (it has run in interpret mode and lowered for the H200 only); 128 would cover
-      decode up to batch 16 at top-8.
+      decode up to batch 16 at top-8. At most 128: the [next_pow2(P), block_n] float32
+      accumulator is 128 registers a thread at 128 x 128 with 4 warps.
     """
 
     block_m: int = 16
@@ -82,8 +83,8 @@ class ExpertMatmulConfig:
                 raise ValueError(f"ExpertMatmulConfig.block_k={self.block_k}: must be >= inner_k={self.inner_k}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"ExpertMatmulConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
-        if not isinstance(self.direct_pairs, int) or not 0 <= self.direct_pairs <= 256:
-            raise ValueError(f"ExpertMatmulConfig.direct_pairs={self.direct_pairs!r}: must be an int in [0, 256]")
+        if not isinstance(self.direct_pairs, int) or not 0 <= self.direct_pairs <= 128:
+            raise ValueError(f"ExpertMatmulConfig.direct_pairs={self.direct_pairs!r}: must be an int in [0, 128]")
 
     def resolve(self, k: int, n: int) -> tuple[int, int, int]:
         """(block_n, block_k, inner_k) for a [K, N] weight matrix (MMA operands need >= 16)."""
