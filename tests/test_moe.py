@@ -556,15 +556,15 @@ def test_bad_moe_fields_name_the_field(models, change, field):
 
 @pytest.mark.parametrize("t,n_experts,top_k", [(1, 9, 3), (2, 9, 3), (30, 9, 3)], ids=["few", "many", "too-many"])
 def test_auto_path_by_pair_count(t, n_experts, top_k):
-    """impl "auto" on a GPU takes the grouped kernel iff T·k <= 8·E; elsewhere (and above that) the
-    jnp gathered form iff 3·T·k <= E (it reads fewer weight bytes), else ragged_dot; bit for bit."""
+    """impl "auto" on a GPU takes the grouped kernel at every size; elsewhere the jnp gathered form
+    iff 3·T·k <= E (it reads fewer weight bytes), else ragged_dot; bit for bit."""
     rng = np.random.default_rng(seed_of("moe-auto", t))
     x, router, gate_up, down = random_moe(rng, t, 16, n_experts, 8)
     weights, experts = moe.route(x, router, top_k, True)
     valid = jnp.ones(t, bool)
     got = np.asarray(moe.moe_experts(x, weights, experts, gate_up, down, valid, impl="auto"))
     pairs = t * top_k
-    if jax.default_backend() == "gpu" and pairs <= moe.KERNEL_PAIRS_PER_EXPERT * n_experts:
+    if jax.default_backend() == "gpu":
         want = moe.moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
     elif 3 * pairs <= n_experts:
         want = moe.moe_gathered(x, weights, experts, gate_up, down, valid)

@@ -105,6 +105,20 @@ def test_split_length_depends_on_the_matrix_only():
     assert cfg.resolve(40, 24) == (32, 64, 64)
     assert cfg.resolve(8, 8) == (16, 16, 16)  # MMA operands are at least 16 x 16
     assert em.ExpertMatmulConfig(block_k=128).resolve(2048, 1024) == (128, 128, 64)
+    assert cfg.resolve(2048, 1024, 1024) == (128, 512, 64)  # a verify window of 128 tokens x top-8
+    assert cfg.resolve(2048, 1024, 1025) == (128, 2048, 64)  # beyond split_pairs: one split
+    assert cfg.resolve(40, 24, 1025) == (32, 64, 64)
+
+
+def test_unsplit_reduction_above_split_pairs():
+    """Past split_pairs the kernel runs one split over all of K (a prefill-sized call): same results."""
+    rng = np.random.default_rng(oracle.seed_of("expert-unsplit"))
+    x, ids, live, w = make_case(rng, 20, 4, 72, 40, 6, jnp.float32, dead=(3, 17))
+    want = oracle_products(x, ids, live, w, 4)
+    for split_pairs in (1024, 8):
+        config = em.ExpertMatmulConfig(block_n=16, inner_k=16, split_pairs=split_pairs)
+        got = np.asarray(em.expert_matmul(x, ids, live, w, rows_div=4, config=config))
+        oracle.assert_close(got, want, 2e-6, f"split_pairs {split_pairs}")
 
 
 def test_config_validation():
@@ -118,6 +132,7 @@ def test_config_validation():
         ("block_k", 48),
         ("direct_pairs", -1),
         ("direct_pairs", 256),
+        ("split_pairs", -1),
     ]:
         with pytest.raises(ValueError, match=field):
             em.ExpertMatmulConfig(**{field: bad})

@@ -16,14 +16,14 @@ once to the activation dtype (transformers adds them in the activation dtype, ex
 the same thing in float32).
 
 Three implementations of the routed experts, picked by `impl` like every op (ops/dispatch.py):
-- `moe_gathered` (impl "auto" / "pallas" when T·k <= 8·E with a kernel, 3·T·k <= E without: decode,
-  verify windows, small prefills): each (token, expert) pair times its own expert's weights. On a
-  GPU (or impl "pallas") the Pallas grouped products (`jaxspec/pallas/expert_matmul.py`) read each
+- `moe_gathered` (impl "auto" / "pallas": always on a GPU, through the kernel; elsewhere when
+  3·T·k <= E: decode, small verify windows): each (token, expert) pair times its own expert's
+  weights. On a GPU (or impl "pallas") the Pallas grouped products (`jaxspec/pallas/expert_matmul.py`) read each
   hit expert once, in place, for all the tokens that chose it; the jnp form gathers each pair's
   weights (a copy) before batched matrix-vector products. Both read only the experts the tokens
   hit, where XLA's GPU `ragged_dot` computes every expert whatever the routing (measured:
   bench/RESULTS.md, MoE rows).
-- `moe_ragged` (above those bounds): the T·k (token, expert) pairs sorted by expert id, two
+- `moe_ragged` (without the kernel, above that bound): the T·k (token, expert) pairs sorted by expert id, two
   `jax.lax.ragged_dot` grouped matmuls over the sorted rows, the k results of a token combined in
   float32. No capacity limit: a group is as long as its expert's tokens. Rows with valid = False
   go to a null group past the E real ones (sorted last, outside every group size), so no expert
@@ -147,33 +147,28 @@ def moe_reference(x, weights, experts, gate_up, down, valid):
     return jnp.sum(jnp.where(sel[..., None], c[..., None] * y, 0.0), axis=1).astype(x.dtype)
 
 
-KERNEL_PAIRS_PER_EXPERT = 8  # T·k bound of the grouped kernel: its float32 split-K partials grow with T·k
-
-
 def moe_experts(x, weights, experts, gate_up, down, valid, *, impl="auto"):
     """The routed experts (module doc): impl "ref" runs `moe_reference`. "auto" / "pallas" run
-    `moe_gathered` through the grouped kernel when T·k <= 8·E and the kernel runs (a GPU, or impl
-    "pallas"); else its jnp form when 3·T·k <= E (a gather and a product read fewer bytes than every
-    expert); else `moe_ragged`."""
+    `moe_gathered` through the grouped kernel wherever the kernel runs (a GPU, or impl "pallas");
+    else its jnp form when 3·T·k <= E (a gather and a product read fewer bytes than every expert);
+    else `moe_ragged`."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl == "ref":
         return moe_reference(x, weights, experts, gate_up, down, valid)
-    n_experts = gate_up.shape[0]
-    if experts.size <= KERNEL_PAIRS_PER_EXPERT * n_experts:
-        pairs, live = experts.reshape(-1), jnp.repeat(valid, experts.shape[1])
-        act = jax.ShapeDtypeStruct((pairs.shape[0], down.shape[1]), x.dtype)  # [T*k, Ie]
-        kernel = use_kernel(
-            "moe_gathered",
-            impl,
-            lambda: (
-                pallas_expert_matmul.supports(x, pairs, live, gate_up, experts.shape[1])
-                and pallas_expert_matmul.supports(act, pairs, live, down)
-            ),
-        )
-        if kernel:
-            return moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
-    if 3 * experts.size <= n_experts:
+    pairs, live = experts.reshape(-1), jnp.repeat(valid, experts.shape[1])
+    act = jax.ShapeDtypeStruct((pairs.shape[0], down.shape[1]), x.dtype)  # [T*k, Ie]
+    kernel = use_kernel(
+        "moe_gathered",
+        impl,
+        lambda: (
+            pallas_expert_matmul.supports(x, pairs, live, gate_up, experts.shape[1])
+            and pallas_expert_matmul.supports(act, pairs, live, down)
+        ),
+    )
+    if kernel:
+        return moe_gathered(x, weights, experts, gate_up, down, valid, kernel=True)
+    if 3 * experts.size <= gate_up.shape[0]:
         return moe_gathered(x, weights, experts, gate_up, down, valid)
     return moe_ragged(x, weights, experts, gate_up, down, valid)
 

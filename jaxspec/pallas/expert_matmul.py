@@ -12,8 +12,9 @@ program streams one [block_k, block_n] tile of one hit expert and multiplies it 
 that chose that expert, on the tensor cores, so each hit expert is read once and experts that no
 token chose are never walked (XLA's GPU `ragged_dot` computes all of them). The reduction is split
 over K / block_k programs (split-K: a decode step's 8-80 pairs would not fill the GPU otherwise);
-the wrapper sums the float32 partials. block_k comes from (K, N) alone, so a token's sums never
-depend on the batch it ran in. Two forms find an expert's rows:
+the wrapper sums the float32 partials. block_k comes from (K, N) alone up to `split_pairs` pairs,
+so a decode or verify token's sums do not depend on the batch it ran in; above that (prefills)
+the reduction is whole. Two forms find an expert's rows:
 * direct (P <= `direct_pairs`: decode, small verify windows): grid (P, N / block_n, K / block_k);
   each program loads all P expert ids, and the lowest live pair of an expert multiplies its tile
   into every pair of that expert (one MMA block of all P rows, the others masked), writing in
@@ -54,7 +55,7 @@ class ExpertMatmulConfig:
       columns are 256 contiguous bytes a weight row (128 and 256 within 4% on the H100:
       bench/RESULTS.md).
     block_k: reduction rows per program (None: chosen by `resolve` so an expert spans
-      PROGRAMS_PER_GROUP programs).
+      PROGRAMS_PER_GROUP programs; all of K above split_pairs pairs).
     inner_k: reduction rows per MMA step ([inner_k, block_n] weights in flight at a time).
     num_warps / num_stages: Triton launch parameters (stages pipeline the inner loop's loads).
     direct_pairs: up to this many pairs (P), the direct form: no sort; all P pairs are one MMA
@@ -63,6 +64,9 @@ class ExpertMatmulConfig:
       run on a GPU (it has run in interpret mode and lowered for the H200 only); 128 would cover
       decode up to batch 16 at top-8. At most 128: the [next_pow2(P), block_n] float32
       accumulator is 128 registers a thread at 128 x 128 with 4 warps.
+    split_pairs: above this many pairs (prefills, verify at large batches) the reduction is not
+      split: the groups (up to E of them) fill the GPU alone, and the float32 partials, S x P x N,
+      would grow with P.
     """
 
     block_m: int = 16
@@ -72,6 +76,7 @@ class ExpertMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     direct_pairs: int = 0
+    split_pairs: int = 1024
 
     def __post_init__(self):
         check_pow2_fields(
@@ -83,13 +88,18 @@ class ExpertMatmulConfig:
                 raise ValueError(f"ExpertMatmulConfig.block_k={self.block_k}: must be >= inner_k={self.inner_k}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             raise ValueError(f"ExpertMatmulConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
+        if not isinstance(self.split_pairs, int) or self.split_pairs < 0:
+            raise ValueError(f"ExpertMatmulConfig.split_pairs={self.split_pairs!r}: must be an int >= 0")
         if not isinstance(self.direct_pairs, int) or not 0 <= self.direct_pairs <= 128:
             raise ValueError(f"ExpertMatmulConfig.direct_pairs={self.direct_pairs!r}: must be an int in [0, 128]")
 
-    def resolve(self, k: int, n: int) -> tuple[int, int, int]:
-        """(block_n, block_k, inner_k) for a [K, N] weight matrix (MMA operands need >= 16)."""
+    def resolve(self, k: int, n: int, pairs: int = 1) -> tuple[int, int, int]:
+        """(block_n, block_k, inner_k) for a [K, N] weight matrix and `pairs` pairs (MMA operands
+        need >= 16). Above split_pairs pairs the reduction is not split."""
         block_n = max(16, min(self.block_n, next_pow2(n)))
         inner_k = max(16, min(self.inner_k, next_pow2(k)))
+        if pairs > self.split_pairs:
+            return block_n, max(inner_k, next_pow2(k)), inner_k
         if self.block_k is not None:
             return block_n, max(inner_k, min(self.block_k, next_pow2(k))), inner_k
         splits = max(1, PROGRAMS_PER_GROUP // pl.cdiv(n, block_n))
@@ -212,7 +222,7 @@ def expert_matmul(x, ids, live, w, *, rows_div: int = 1, config: ExpertMatmulCon
     config = config or ExpertMatmulConfig()
     n_experts, kd, nd = w.shape
     pairs = ids.shape[0]
-    block_n, block_k, inner_k = config.resolve(kd, nd)
+    block_n, block_k, inner_k = config.resolve(kd, nd, pairs)
     splits = pl.cdiv(kd, block_k)
     precision = lax.Precision.HIGHEST if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32) else None
     tile = dict(block_n=block_n, block_k=block_k, inner_k=inner_k, precision=precision)
