@@ -111,12 +111,15 @@ def test_split_length_depends_on_the_matrix_only():
 
 
 def test_unsplit_reduction_above_split_pairs():
-    """Past split_pairs the kernel runs one split over all of K (a prefill-sized call): same results."""
+    """Past split_pairs the kernel runs one split over all of K with wide_block_m rows a pass (a
+    prefill-sized call). 80 pairs over 2 experts: groups of 33 rows or more, so both row widths (16 and
+    32) take several passes over a group."""
     rng = np.random.default_rng(oracle.seed_of("expert-unsplit"))
-    x, ids, live, w = make_case(rng, 20, 4, 72, 40, 6, jnp.float32, dead=(3, 17))
+    x, ids, live, w = make_case(rng, 80, 4, 72, 40, 2, jnp.float32, dead=(3, 17))
+    assert min(np.bincount(np.asarray(ids)[np.asarray(live)])) > 32
     want = oracle_products(x, ids, live, w, 4)
     for split_pairs in (1024, 8):
-        config = em.ExpertMatmulConfig(block_n=16, inner_k=16, split_pairs=split_pairs)
+        config = em.ExpertMatmulConfig(block_n=16, inner_k=16, split_pairs=split_pairs, wide_block_m=32)
         got = np.asarray(em.expert_matmul(x, ids, live, w, rows_div=4, config=config))
         oracle.assert_close(got, want, 2e-6, f"split_pairs {split_pairs}")
 
@@ -133,6 +136,7 @@ def test_config_validation():
         ("direct_pairs", -1),
         ("direct_pairs", 256),
         ("split_pairs", -1),
+        ("wide_block_m", 24),
     ]:
         with pytest.raises(ValueError, match=field):
             em.ExpertMatmulConfig(**{field: bad})
