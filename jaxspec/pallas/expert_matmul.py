@@ -1,5 +1,5 @@
-"""Grouped expert products (Pallas, Triton): the routed experts of an MoE verify or decode step,
-each hit expert's weights read once, whatever number of the step's tokens chose it.
+"""Grouped expert products (Pallas, Triton): the routed experts of an MoE step (decode, verify,
+prefill), each hit expert's weights read once, whatever number of the step's tokens chose it.
 
 Contract (`expert_matmul_reference` below is its jnp form): x [R, K] (the rows), ids [P] int32
 (pair p's expert, in [0, E)), live [P] bool, w [E, K, N] of x's dtype (float32 or bfloat16); pair p
@@ -15,7 +15,7 @@ over K / block_k programs (split-K: a decode step's 8-80 pairs would not fill th
 the wrapper sums the float32 partials. block_k comes from (K, N) alone up to `split_pairs` pairs,
 so a decode or verify token's sums do not depend on the batch it ran in; above that (prefills)
 the reduction is whole. Two forms find an expert's rows:
-* direct (P <= `direct_pairs`: decode, small verify windows): grid (P, N / block_n, K / block_k);
+* direct (P <= `direct_pairs`, off by default until it has run on a GPU): grid (P, N / block_n, K / block_k);
   each program loads all P expert ids, and the lowest live pair of an expert multiplies its tile
   into every pair of that expert (one MMA block of all P rows, the others masked), writing in
   pair order; the other pairs' programs return at once. No sort, no XLA work around the kernel
