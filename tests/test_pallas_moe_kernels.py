@@ -168,11 +168,13 @@ def test_supports():
         ("35b-a3b-verify-b8", 512, 8, 2048, 1024, 256, jnp.bfloat16, "expert_matmul"),
         ("f32-verify", 640, 10, 2048, 1024, 512, jnp.float32, "expert_matmul"),
         ("f32-decode", 80, 10, 2048, 1024, 512, jnp.float32, "expert_matmul_direct"),
+        ("35b-a3b-prefill-512", 4096, 8, 2048, 1024, 256, jnp.bfloat16, "expert_matmul"),  # unsplit, wide rows
     ],
 )
 def test_lowers_for_h200(name, pairs, rows_div, k, n, n_experts, dtype, kernel):
     """The Triton lowering of the benchmark shapes (decode at batch 8 x top-8 and batch 1 x top-10:
-    the direct form; verify windows of 64 tokens: the sorted form), on the CPU."""
+    the direct form; verify windows of 64 tokens: the sorted form; a 512-token prefill: one split,
+    wide_block_m rows a pass), on the CPU."""
     S = jax.ShapeDtypeStruct
     args = (
         S((-(-pairs // rows_div), k), dtype),
