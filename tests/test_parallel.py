@@ -12,9 +12,8 @@ import collections
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 
+import child
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,16 +39,10 @@ needs_four = pytest.mark.skipif(len(jax.devices()) < 4, reason="runs in test_cas
 
 @pytest.mark.skipif(len(jax.devices()) >= 4, reason="the cases run in this process")
 def test_cases_on_four_cpu_devices():
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}".strip()}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
-    assert " passed" in child.stdout and " skipped" in child.stdout  # the cases ran, this wrapper skipped
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}".strip()
+    result = child.run_module(__file__, extra_env={"XLA_FLAGS": flags})
+    assert result.returncode == 0, child.verdict(result)
+    assert " passed" in result.stdout and " skipped" in result.stdout  # the cases ran, this wrapper skipped
 
 
 def _config(**overrides):

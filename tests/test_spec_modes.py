@@ -1,7 +1,14 @@
-"""Confidence-scheduled verification: packed verify vs dense, modes cap-accept / compact."""
+"""Confidence-scheduled verification: packed verify vs dense, modes cap-accept / compact.
+
+The cases run in a child pytest (`test_cases_in_a_child_process`, tests/child.py): inside the full
+suite jax 0.11.2's XLA:CPU has aborted (compiling a prefill) and segfaulted (in donated steps) in
+this module three times in about ten runs, never with the module alone; a child that dies of a
+signal is run once more, a failed case is not.
+"""
 
 from pathlib import Path
 
+import child
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +24,14 @@ from jaxspec.spec import layout
 from jaxspec.spec.planner import CostTable
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
+in_child = pytest.mark.skipif(not child.in_child(), reason="runs in test_cases_in_a_child_process's child")
+
+
+@pytest.mark.skipif(child.in_child(), reason="the cases run in this process")
+def test_cases_in_a_child_process():
+    result = child.run_module(__file__, crash_retries=1)
+    assert result.returncode == 0, child.verdict(result)
+    assert " passed" in result.stdout and " skipped" in result.stdout  # the cases ran, this wrapper skipped
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +53,7 @@ def _prefilled(model, block, slots, fold_policy):
     return state
 
 
+@in_child
 @pytest.mark.parametrize("fold_policy", ["every", "lazy"])
 def test_packed_verify_equals_dense_bit_for_bit(model, fold_policy):
     """Windows of planned lengths packed into a tier (with a null-slot request and leftover padding
@@ -111,6 +127,7 @@ def prompts():
     return [list(rng.integers(0, 512, n)) for n in (6, 19, 11, 3, 25)]
 
 
+@in_child
 def test_modes_agree_and_greedy_is_lossless(model, prompts):
     """Greedy output of every mode equals mode none; cap-accept and compact emit identical tokens
     and per-step verified / accepted lengths under seeded sampling, with drafts accepted and
@@ -159,6 +176,7 @@ def test_modes_agree_and_greedy_is_lossless(model, prompts):
     assert any(0 < a == v < block - 1 for v, a in steps), sorted(set(steps))
 
 
+@in_child
 def test_compact_with_a_random_draft_matches_none(model, prompts):
     spec = SpecConfig(verify_mode="compact", num_slots=2, max_len=96, warmup_refits=0, refit_interval=4)
     engine = Engine(model, random_draft(model, 4), spec, cost_table=_cost_table(2, 4))
@@ -168,6 +186,7 @@ def test_compact_with_a_random_draft_matches_none(model, prompts):
     assert [r.tokens for r in engine.generate(prompts, max_new_tokens=12)] == [r.tokens for r in reference]
 
 
+@in_child
 def test_profile_and_decoding_share_the_compiled_steps(model, prompts):
     """Forced acceptance is a traced flag: profiling compiles each tier once and greedy decoding
     then reuses those steps (no second compilation per tier)."""

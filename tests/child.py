@@ -1,0 +1,47 @@
+"""Run a test module again in a child pytest process.
+
+For modules that need an XLA backend of their own (test_parallel: four CPU devices, a flag XLA
+reads once per process) or that XLA:CPU has crashed under inside the full suite (test_spec_modes:
+jax 0.11.2's CPU backend aborted or segfaulted there intermittently, never when the module ran
+alone). The parent test runs the child and asserts on its verdict; a child killed by a signal
+(returncode < 0: the crash, not a failed test) may be run again `crash_retries` times, with a
+warning naming the signal. A failed test is never rerun.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+CHILD_ENV = "JAXSPEC_TEST_CHILD"
+
+
+def in_child() -> bool:
+    """Whether this process is a child started by `run_module`."""
+    return os.environ.get(CHILD_ENV) == "1"
+
+
+def run_module(path, *, extra_env=None, crash_retries=0, timeout=1800) -> subprocess.CompletedProcess:
+    """pytest -q on `path` in a child process (CHILD_ENV set, `extra_env` added); its result."""
+    env = {**os.environ, CHILD_ENV: "1", **(extra_env or {})}
+    for attempt in range(crash_retries + 1):
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", path],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if result.returncode >= 0:
+            break
+        warnings.warn(
+            f"{os.path.basename(path)}: the child pytest died of signal {-result.returncode} "
+            f"(attempt {attempt + 1} of {crash_retries + 1})",
+            stacklevel=2,
+        )
+    return result
+
+
+def verdict(result) -> str:
+    """The end of a child's output, for an assertion message."""
+    return result.stdout[-6000:] + result.stderr[-3000:]
