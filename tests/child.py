@@ -1,4 +1,5 @@
-"""Run a test module again in a child pytest process.
+"""Child processes of the tests: a test module run again in a child pytest, and a benchmark
+script's CPU smoke run.
 
 For modules that need an XLA backend of their own (test_parallel: four CPU devices, a flag XLA
 reads once per process) or that XLA:CPU has crashed under inside the full suite (test_spec_modes:
@@ -14,6 +15,7 @@ import sys
 import warnings
 
 CHILD_ENV = "JAXSPEC_TEST_CHILD"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def in_child() -> bool:
@@ -45,3 +47,26 @@ def run_module(path, *, extra_env=None, crash_retries=0, timeout=1800) -> subpro
 def verdict(result) -> str:
     """The end of a child's output, for an assertion message."""
     return result.stdout[-6000:] + result.stderr[-3000:]
+
+
+def run_smoke(script, *args, timeout) -> subprocess.CompletedProcess:
+    """`bench/<script>` with `args` (its --smoke, --out ...) on the CPU in a child process, from the
+    repository root, XLA:CPU codegen at -O0 (a smoke run is mostly compilation; the code path is the
+    same) and no $OUT inherited; asserts that it exited 0 and returns its result."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
+    )
+    env.pop("OUT", None)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", script), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result

@@ -6,17 +6,14 @@ import collections
 import json
 import math
 import os
-import subprocess
-import sys
 
+import child
 import numpy as np
 import pytest
 
 from jaxspec.bench import calibrate, client, level, metrics, workload
 from jaxspec.engine import Event, GenerationResult
 from jaxspec.spec.planner import CostTable
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class FakeEngine:
@@ -140,21 +137,7 @@ def test_smoke_run_writes_results_and_plots(tmp_path):
     level, real acceptance (no simulation), nothing compiled during the timed runs, the cost
     tables saved, results.md and the PNGs written. ~4-5 min on a 2-core machine shared with
     other jobs (compilation: ~10 programs at XLA:CPU -O0)."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
-    )
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--no-progress", "--out", str(tmp_path)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    child.run_smoke("e2e.py", "--smoke", "--no-progress", "--out", str(tmp_path), timeout=1500)
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["meta"]["smoke"] and res["meta"]["command"].startswith("jaxspec bench --smoke")
     assert res["meta"]["workload"]["acceptance"] == "real"
@@ -198,32 +181,18 @@ def test_smoke_run_writes_results_and_plots(tmp_path):
 def test_smoke_real_shape_simulates_calibrated_acceptance(tmp_path):
     """The real-shape workload at toy shapes (2 target layers, vocab 512): two calibrated settings
     (simulated, never the default), their runs measuring the ordered accept lengths. ~3-4 min."""
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "bench", "e2e.py"),
-            "--smoke",
-            "--no-progress",
-            "--workload",
-            "real-shape",
-            "--host-turns",
-            "0",
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    child.run_smoke(
+        "e2e.py",
+        "--smoke",
+        "--no-progress",
+        "--workload",
+        "real-shape",
+        "--host-turns",
+        "0",
+        "--out",
+        str(tmp_path),
         timeout=1500,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["meta"]["workload"]["acceptance"].startswith("SIMULATED")
     assert [(s["name"], s["simulated"]) for s in res["settings"]] == [("acc3", True), ("acc5", True)]

@@ -3,38 +3,25 @@ row per (tokens, variant) with the floor of the distinct hit experts' bytes."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import child
 
 
 def test_smoke_run_writes_rows(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("OUT", None)
     variants = "matmul,matmul:16/16/16/4/3/128,gathered,ragged"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "bench", "moe_experts.py"),
-            "--smoke",
-            "--tokens",
-            "1,3",
-            "--reps",
-            "1",
-            "--variants",
-            variants,
-            "--out",
-            str(tmp_path),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    child.run_smoke(
+        "moe_experts.py",
+        "--smoke",
+        "--tokens",
+        "1,3",
+        "--reps",
+        "1",
+        "--variants",
+        variants,
+        "--out",
+        str(tmp_path),
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "moe_experts_qwen3.5-35b-a3b.json").read_text())
     rows = report["rows"]
     assert [(r["tokens"], r["variant"]) for r in rows] == [(t, v) for t in (1, 3) for v in variants.split(",")]

@@ -7,9 +7,9 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
+import child
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,23 +84,7 @@ def test_moe_floors_count_the_experts_a_step_hits():
     ids=["dense-27b", "moe-35b-a3b"],
 )
 def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-        # XLA:CPU codegen at -O0: the smoke run is all compilation; the code path is the same
-        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
-    )
-    env.pop("OUT", None)
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--smoke", "--model", model, "--out", str(tmp_path)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    child.run_smoke("real_shape.py", "--smoke", "--model", model, "--out", str(tmp_path), timeout=600)
 
     report = json.loads((tmp_path / "real_shape.json").read_text())
     assert report["smoke"] and report["backend"] == "cpu"
