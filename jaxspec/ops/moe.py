@@ -156,8 +156,9 @@ def moe_experts(x, weights, experts, gate_up, down, valid, *, impl="auto"):
         raise ValueError(f"impl={impl!r}: must be one of {IMPLS}")
     if impl == "ref":
         return moe_reference(x, weights, experts, gate_up, down, valid)
-    pairs, live = experts.reshape(-1), jnp.repeat(valid, experts.shape[1])
-    act = jax.ShapeDtypeStruct((pairs.shape[0], down.shape[1]), x.dtype)  # [T*k, Ie]
+    pairs = jax.ShapeDtypeStruct((experts.size,), experts.dtype)  # shapes only: moe_gathered builds them
+    live = jax.ShapeDtypeStruct((experts.size,), jnp.bool_)
+    act = jax.ShapeDtypeStruct((experts.size, down.shape[1]), x.dtype)  # [T*k, Ie]
     kernel = use_kernel(
         "moe_gathered",
         impl,
