@@ -8,7 +8,7 @@ import child
 
 
 def test_smoke_run_writes_rows(tmp_path):
-    variants = "matmul,matmul:16/16/16/4/3/128,gathered,ragged"
+    variants = "matmul,matmul:16/16/16/4/3/0,gathered,ragged"
     child.run_smoke(
         "moe_experts.py",
         "--smoke",

@@ -47,7 +47,7 @@ CASES = {
 }
 
 
-SMALL = em.ExpertMatmulConfig(block_n=16, inner_k=16)  # several n tiles and k splits at these sizes
+SMALL = em.ExpertMatmulConfig(block_n=16, inner_k=16, direct_pairs=0)  # several n tiles and k splits at these sizes
 FORMS = {"direct": em.ExpertMatmulConfig(block_n=16, inner_k=16, direct_pairs=128), "sorted": SMALL}
 
 

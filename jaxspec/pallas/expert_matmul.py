@@ -15,7 +15,7 @@ over K / block_k programs (split-K: a decode step's 8-80 pairs would not fill th
 the wrapper sums the float32 partials. block_k comes from (K, N) alone up to `split_pairs` pairs,
 so a decode or verify token's sums do not depend on the batch it ran in; above that (prefills)
 the reduction is whole. Two forms find an expert's rows:
-* direct (P <= `direct_pairs`, off by default until it has run on a GPU): grid (P, N / block_n, K / block_k);
+* direct (P <= `direct_pairs`: decode up to batch 8 at top-8): grid (P, N / block_n, K / block_k);
   each program loads all P expert ids, and the lowest live pair of an expert multiplies its tile
   into every pair of that expert (one MMA block of all P rows, the others masked), writing in
   pair order; the other pairs' programs return at once. No sort, no XLA work around the kernel
@@ -60,10 +60,12 @@ class ExpertMatmulConfig:
     num_warps / num_stages: Triton launch parameters (stages pipeline the inner loop's loads).
     direct_pairs: up to this many pairs (P), the direct form: no sort; all P pairs are one MMA
       block of next_pow2(P) rows (at least 16) and each expert's lowest pair does its expert's
-      programs. Above it, the sorted form. 0 (the sorted form always) until the direct form has
-      run on a GPU (it has run in interpret mode and lowered for the H200 only); 128 would cover
-      decode up to batch 16 at top-8. At most 128: the [next_pow2(P), block_n] float32
-      accumulator is 128 registers a thread at 128 x 128 with 4 warps.
+      programs. Above it, the sorted form. 64 (H100, bench/moe_experts.py, 2026-12-06): at one
+      token the direct form takes 24 µs a layer where the sorted one takes 36 (35B-A3B; 80B-A3B
+      29 vs 43), at 64 pairs 128 vs 138 µs, at 80 pairs (80B-A3B batch 8) 181 vs 175: the
+      sort's small XLA kernels cost more than they save only up to ~64 pairs. At most 128: the
+      [next_pow2(P), block_n] float32 accumulator is 128 registers a thread at 128 x 128 with 4
+      warps.
     split_pairs: above this many pairs (prefills, verify at large batches) the reduction is not
       split: the groups (up to E of them) fill the GPU alone, and the float32 partials, S x P x N,
       would grow with P.
@@ -77,7 +79,7 @@ class ExpertMatmulConfig:
     inner_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    direct_pairs: int = 0
+    direct_pairs: int = 64
     split_pairs: int = 1024
     wide_block_m: int = 64
 
