@@ -120,7 +120,8 @@ def _step(
 
     mode "static" verifies every row's whole block; "cap-accept" and "compact" plan per-request
     lengths from the estimator's current survivals with a budget of `tier` - active rows tokens.
-    `tier` static: the host chose it from survivals `lag` steps old. `tier` None (tier_dispatch
+    `tier` static: the host chose it from survivals `lag` steps old (the full tier, S·T, plans
+    nothing: every row verifies its block, as in static). `tier` None (tier_dispatch
     "switch"): the device chooses it from `plan` (a DevicePlan) among `tiers`, and compact runs
     the verify under lax.switch over the tiers. cap-accept verifies the whole block and caps
     acceptance at the planned length; compact packs only the planned windows into `tier` rows.
@@ -154,7 +155,8 @@ def _step(
 
     # plan: drafts to verify per request, and the packed layout of the verify
     tier_index = None
-    if mode == "static":
+    if mode == "static" or tier == s * t:
+        # a host-chosen full tier holds every row's block: no planning (its sort) to run
         lengths = jnp.full((s,), t - 1, jnp.int32)
         tier = s * t
     else:

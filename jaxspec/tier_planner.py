@@ -1,4 +1,4 @@
-"""Host-side tier planning: the verify tier of each step, from numpy on the host.
+"""Host-side tier planning: the verify tier of each step, chosen on the host.
 
 Model-free and scheduling only: it reads the rows' requests and the lagged survivals and never
 runs the model. The only jax arrays it builds are a `DevicePlan`'s cost matrix and placeholder
@@ -6,11 +6,13 @@ survivals (tier_dispatch "switch": the step chooses the tier on the device, jaxs
 docs/design.md section 7.
 """
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import SpecConfig
-from jaxspec.spec import estimator, layout, planner
+from jaxspec.spec import estimator, layout
 from jaxspec.spec.planner import CostTable
 from jaxspec.step import DevicePlan
 
@@ -34,7 +36,7 @@ class TierPlanner:
     def __init__(self, spec: SpecConfig, window: int, cost_table: CostTable | None = None):
         self.spec, self.window, self.cost_table = spec, window, cost_table
         self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
-        self._costs = None  # (cost table, its device cost matrix, placeholder survivals)
+        self._costs, self._ladders = None, {}  # (cost table, *`_cost_matrix`), {n: `_ladder(n)`}
 
     @property
     def warmup_steps(self) -> int:
@@ -59,42 +61,65 @@ class TierPlanner:
         )
 
     def choose_tier(self, rows, old, steps_run: int) -> int:
-        """The tier tokens of the next step, chosen on the host (`planner.choose_budget` over the
-        ladder's admissible budgets; reads the lagged survival back from the device). The full
-        block unless `plans`; a request that was not in its slot `lag` steps back counts its
-        survivals as 1."""
-        full = self.tier_tokens[-1]
+        """The tier tokens of the next step, chosen on the host by the device's rule
+        (`planner.choose_tier`: the first tier maximising tau(budget) / cost, with the same cost
+        matrix) over the lagged survivals read back from the device: the full block unless
+        `plans`; a request that was not in its slot `lag` steps back counts its survivals as 1.
+        Plain Python over S x (window - 1) floats: at one request the engine's host loop bounds
+        the step, and a dozen numpy calls cost it ~10% (bench/RESULTS.md)."""
         if not self.plans(old, steps_run):
-            return full
+            return self.tier_tokens[-1]
         old_rows, old_survival = old
-        old_survival = np.asarray(old_survival)
-        survival = [
-            old_survival[i] if req is old_rows[i] else np.ones(self.window - 1, np.float32)
-            for i, req in enumerate(rows)
-            if req is not None
-        ]  # a newcomer: assume acceptance
-        n = len(survival)
-        admissible = sorted({min(t - n, n * (self.window - 1)) for t in self.tier_tokens if t >= n})
-        budget = planner.choose_budget(np.stack(survival), self.cost_table, admissible)
-        return self.tier_tokens[layout.tier_for(n + budget, self.tier_tokens)]
+        old_survival = np.asarray(old_survival).tolist()
+        newcomer = [1.0] * (self.window - 1)  # assume acceptance
+        flat, n = [], 0
+        for i, req in enumerate(rows):
+            if req is not None:
+                flat += old_survival[i] if req is old_rows[i] else newcomer
+                n += 1
+        top = sorted((0.0 if x != x else x for x in flat), reverse=True)  # NaN counts as 0
+        tau = list(itertools.accumulate(top, initial=float(n)))  # tau[b]: n + the b largest
+        tiers, budgets, costs = self._ladder(n)
+        rates = [tau[b] / c for b, c in zip(budgets, costs)]
+        return tiers[rates.index(max(rates))]
 
-    def device_plan(self, rows, old, steps_run: int) -> DevicePlan:
-        """`choose_tier`'s inputs for the device: nothing is read back; the lagged survivals stay
-        on the device (plan and same go as numpy: the step's call transfers them). The cost
-        matrix is built once per cost table."""
-        s, d = self.spec.num_slots, self.window - 1
-        plans = self.plans(old, steps_run)
-        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
+    def _ladder(self, n: int):
+        """At n active rows, over the tiers holding n rows, smallest first: (the tier each runs,
+        its admissible draft budget min(tier - n, n (window - 1)), that budget's cost from
+        `_cost_matrix`), as lists; a budget runs in the smallest tier holding n + budget tokens
+        (`layout.tier_for`)."""
+        costs = self._cost_matrix()[0]
+        if n not in self._ladders:
+            d = self.window - 1
+            j = [j for j, tier in enumerate(self.tier_tokens) if tier >= n]
+            budgets = [min(self.tier_tokens[i] - n, n * d) for i in j]
+            tiers = [self.tier_tokens[layout.tier_for(n + b, self.tier_tokens)] for b in budgets]
+            self._ladders[n] = (tiers, budgets, [float(c) for c in costs[n, j]])
+        return self._ladders[n]
+
+    def _cost_matrix(self):
+        """(costs [S + 1, tiers] float32 numpy, the same on the device, placeholder survivals
+        [S, window - 1] on the device): the profiled step time of tier j's admissible budget at n
+        active rows, built once per cost table (1 s everywhere without a table)."""
         if self._costs is None or self._costs[0] is not self.cost_table:
+            s, d = self.spec.num_slots, self.window - 1
             costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
             if self.cost_table is not None and not self.cost_table.is_trivial:
                 for n in range(1, s + 1):
                     for j, tier in enumerate(self.tier_tokens):
                         if tier >= n:
                             costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
-            self._costs = (self.cost_table, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
-        survival = old[1] if plans else self._costs[2]
-        return DevicePlan(plan=np.asarray(plans), survival=survival, same=same, costs=self._costs[1])
+            self._costs = (self.cost_table, costs, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
+            self._ladders = {}
+        return self._costs[1:]
+
+    def device_plan(self, rows, old, steps_run: int) -> DevicePlan:
+        """`choose_tier`'s inputs for the device: nothing is read back; the lagged survivals stay
+        on the device (plan and same go as numpy: the step's call transfers them)."""
+        plans = self.plans(old, steps_run)
+        same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
+        _, costs, ones = self._cost_matrix()
+        return DevicePlan(plan=np.asarray(plans), survival=old[1] if plans else ones, same=same, costs=costs)
 
     def forcing(self, tier: int) -> DevicePlan:
         """A DevicePlan under which the device chooses `tier` (one of `tier_tokens`) whenever its

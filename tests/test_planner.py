@@ -242,3 +242,39 @@ def test_cost_table_save_load(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError):
         CostTable.load(path)
+
+
+def test_tier_planner_takes_choose_budgets_tier():
+    """TierPlanner.choose_tier (plain Python on the host) runs the tier of `choose_budget`'s budget
+    (numpy, float64) over the admissible budgets of the ladder: random survivals with NaNs, idle
+    slots, newcomers (survivals 1), several slot counts and blocks."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.spec.layout import tier_for
+    from jaxspec.tier_planner import TierPlanner
+
+    rng = np.random.default_rng(11)
+    chosen = set()
+    for case in range(80):
+        slots, block = int(rng.integers(1, 11)), int(rng.integers(2, 9))
+        spec = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block, warmup_refits=0)
+        ladder = tiers(slots, block)[0]
+        slope = rng.uniform(0.001, 0.3)
+        table = CostTable({(b, t): 1.0 + slope * t for b in range(1, slots + 1) for t in range(1, ladder[-1] + 1)})
+        planner = TierPlanner(spec, block, table)
+        survival = np.cumprod(rng.uniform(0.2, 1.0, (slots, block - 1)), axis=1).astype(np.float32)
+        survival[rng.random(survival.shape) < 0.1] = np.nan
+        requests = [object() for _ in range(slots)]
+        old_rows = [r if rng.random() < 0.8 else None for r in requests]
+        rows = [r if rng.random() < 0.7 else (object() if rng.random() < 0.5 else None) for r in requests]
+        if not any(rows):
+            rows[0] = requests[0]
+        live = [i for i, r in enumerate(rows) if r is not None]
+        n = len(live)
+        want_survival = np.stack([survival[i] if rows[i] is old_rows[i] else np.ones(block - 1) for i in live])
+        admissible = sorted({min(t - n, n * (block - 1)) for t in ladder if t >= n})
+        budget = choose_budget(want_survival, table, admissible)
+        want = ladder[tier_for(n + budget, ladder)]
+        got = planner.choose_tier(rows, (old_rows, jnp.asarray(survival)), 10**6)
+        assert got == want, case
+        chosen.add(got == ladder[-1])
+    assert chosen == {True, False}

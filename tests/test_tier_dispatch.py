@@ -177,3 +177,17 @@ def test_static_profile_times_the_full_tier_only(model, table):
     full = engine.tier_tokens[-1]
     assert sorted(costs.entries) == [(1, full), (SLOTS, full)]
     assert engine._step._cache_size() - before == 1
+
+
+@pytest.mark.parametrize("mode", ["compact", "cap-accept"])
+def test_full_tier_skips_the_plan(model, table, mode):
+    """A host-chosen full tier holds every row's block: the step runs no planner (its lexsort),
+    like a static step; a partial tier plans."""
+    engine = _engine(model, table, mode, "host", 4)  # tiers (3, 8, 12)
+
+    def sorts(tier):
+        return engine.forced_lowerings(SLOTS, tier)["step"]().as_text().count("stablehlo.sort")
+
+    baseline = _engine(model, table, "static", "host", 4).forced_lowerings(SLOTS, 12)["step"]().as_text()
+    assert sorts(12) == baseline.count("stablehlo.sort")
+    assert sorts(8) > sorts(12)
