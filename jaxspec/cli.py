@@ -214,8 +214,13 @@ def _train_parser(train, common):
     )
     target.add_argument("--head-dim", type=positive_int("--head-dim"), default=64, help="attention and GDN head dim")
     draft.add_argument("--target", required=True, help="the frozen target's checkpoint directory")
-    draft.add_argument("--layers", type=positive_int("--layers"), default=2, help="draft decoder layers")
-    draft.add_argument("--block-size", type=positive_int("--block-size"), default=8)
+    draft.add_argument(
+        "--init",
+        help="a draft checkpoint directory to start from (continue or fine-tune: its config is the draft's, "
+        "so --layers, --block-size, --taps and --intermediate-size are not given with it)",
+    )
+    draft.add_argument("--layers", type=positive_int("--layers"), help="draft decoder layers (default 2)")
+    draft.add_argument("--block-size", type=positive_int("--block-size"), help="tokens a block (default 8)")
     draft.add_argument(
         "--taps",
         help="comma-separated target layers whose outputs feed the draft (default: evenly spaced from 1 to layers - 3)",
@@ -298,32 +303,7 @@ def _train(args, parser):
             parser.error("argument --out: must differ from --target")
         with parser.blame("--target"):
             target = load_target(args.target)
-        n_layers = target.config.num_hidden_layers
-        taps = None
-        if args.taps is not None:
-            try:
-                taps = tuple(int(t) for t in args.taps.split(","))
-            except ValueError:
-                parser.error(f"argument --taps: {args.taps!r} is not a comma-separated list of ints")
-            if not taps or any(not 0 <= t < n_layers for t in taps):
-                parser.error(f"argument --taps: {args.taps!r}: every layer must be in [0, {n_layers})")
-        if args.block_size < 2 or args.block_size > 64:
-            parser.error(f"argument --block-size: must be in 2..64, got {args.block_size}")
-        if args.seq_len - args.block_size < args.anchors:
-            parser.error(
-                f"argument --anchors: {args.anchors} distinct anchors do not fit in --seq-len "
-                f"{args.seq_len} with --block-size {args.block_size} (at most seq_len - block_size)"
-            )
-        try:
-            config = train.tiny_draft_config(
-                target.config,
-                num_hidden_layers=args.layers,
-                block_size=args.block_size,
-                target_layer_ids=taps,
-                intermediate_size=args.intermediate_size,
-            )
-        except ValueError as e:
-            parser.error(str(e))
+        config, init = _draft_shape(args, parser, target)
         _, metrics = _run_training(
             parser,
             lambda: train.train_draft(
@@ -333,6 +313,8 @@ def _train(args, parser):
                 gamma=args.gamma,
                 labels=args.labels,
                 target_path=os.path.abspath(args.target),
+                init=init,
+                init_path=None if args.init is None else os.path.abspath(args.init),
                 **common,
             ),
         )
@@ -356,6 +338,52 @@ def _run_training(parser, fn):
         return fn()
     except ValueError as e:  # what the flags' own checks cannot see (e.g. a corpus too small for --seq-len)
         parser.error(str(e))
+
+
+def _draft_shape(args, parser, target):
+    """(DraftConfig, the --init Draft or None) of `jaxspec train draft`: from --init's checkpoint,
+    or from --layers / --block-size / --taps / --intermediate-size over the target."""
+    from jaxspec import train
+    from jaxspec.dflash import load_draft
+
+    init = None
+    if args.init is not None:
+        for flag in ("layers", "block_size", "taps", "intermediate_size"):
+            if getattr(args, flag) is not None:
+                parser.error(f"argument --{flag.replace('_', '-')}: not with --init (the draft's shape comes from it)")
+        _check_checkpoint_dir(parser, "--init", args.init)
+        with parser.blame("--init"):
+            init = load_draft(args.init, target)
+    block_size = init.config.block_size if init else 8 if args.block_size is None else args.block_size
+    if not 2 <= block_size <= 64:
+        parser.error(f"argument --block-size: must be in 2..64, got {block_size}")
+    if args.seq_len - block_size < args.anchors:
+        parser.error(
+            f"argument --anchors: {args.anchors} distinct anchors do not fit in --seq-len "
+            f"{args.seq_len} with block size {block_size} (at most seq_len - block_size)"
+        )
+    if init is not None:
+        return init.config, init
+    n_layers = target.config.num_hidden_layers
+    taps = None
+    if args.taps is not None:
+        try:
+            taps = tuple(int(t) for t in args.taps.split(","))
+        except ValueError:
+            parser.error(f"argument --taps: {args.taps!r} is not a comma-separated list of ints")
+        if not taps or any(not 0 <= t < n_layers for t in taps):
+            parser.error(f"argument --taps: {args.taps!r}: every layer must be in [0, {n_layers})")
+    try:
+        config = train.tiny_draft_config(
+            target.config,
+            num_hidden_layers=2 if args.layers is None else args.layers,
+            block_size=block_size,
+            target_layer_ids=taps,
+            intermediate_size=args.intermediate_size,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    return config, None
 
 
 def _check_checkpoint_dir(parser, flag, path):

@@ -855,19 +855,29 @@ def train_draft(
     target_path: str | None = None,
     time_limit: float | None = None,
     labels: str = "data",
+    init: Draft | None = None,
+    init_path: str | None = None,
 ):
     """Train a DFlash draft against the frozen `target`; returns (Draft with float32 params, metrics).
 
-    draft_config: default `tiny_draft_config(target.config)`. Each step: windows [batch, seq_len],
-    the target's taps and logits, `anchors_per_seq` distinct anchors per window, the loss of
-    `draft_loss` (block position k weighted exp(-(k-1)/gamma)). labels (`LABEL_MODES`, recorded
-    in the recipe): what block position k learns, "data" the corpus token a + k, "target" the
-    frozen target's distribution at position a + k - 1 (distillation: speculative acceptance is
-    agreement with the target), "mix" the mean of the two losses (`block_loss`). Held-out
-    evaluation is the same for every labels mode: both losses, per-position accuracy and
+    draft_config: default `tiny_draft_config(target.config)`, or init's. init: a draft whose
+    weights training starts from (continuing a time-limited run, fine-tuning; its config is the
+    draft's, and a draft_config given too must equal it); init_path, where it came from, goes
+    into the recipe. The optimizer state and the learning-rate schedule start afresh.
+    Each step: windows [batch, seq_len], the target's taps and logits, `anchors_per_seq`
+    distinct anchors per window, the loss of `draft_loss` (block position k weighted
+    exp(-(k-1)/gamma)). labels (`LABEL_MODES`, recorded in the recipe): what block position k
+    learns, "data" the corpus token a + k, "target" the frozen target's distribution at position
+    a + k - 1 (distillation: speculative acceptance is agreement with the target), "mix" the
+    mean of the two losses (`block_loss`). Held-out evaluation is the same for every labels
+    mode: both losses, per-position accuracy and
     acceptance-length estimates (`draft_eval_metrics`). Other arguments as `train_target`.
     """
     tc = target.config
+    if init is not None:
+        if draft_config is not None and draft_config != init.config:
+            raise ValueError(f"init: its config {init.config} differs from draft_config {draft_config}")
+        draft_config = init.config
     draft_config = draft_config or tiny_draft_config(tc)
     c = draft_config
     _check_args(
@@ -919,10 +929,11 @@ def train_draft(
         "save_dtype": save_dtype,
         "compute_dtype": compute_dtype,
         "time_limit": time_limit,
+        "init": init_path if init is not None else None,
     }
 
     frozen = Target(params=_cast(target.params, compute), config=tc)
-    params = dflash.init_draft(c, jax.random.PRNGKey(seed)).params
+    params = dflash.init_draft(c, jax.random.PRNGKey(seed)).params if init is None else _cast(init.params, jnp.float32)
     tx = _optimizer(weight_decay, grad_clip, _decay_mask(params, skip=()))
     opt_state = tx.init(params)
     taps = c.target_layer_ids
