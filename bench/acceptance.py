@@ -5,7 +5,9 @@ the interpreter that runs this, or --corpus DIR), sampled with a fixed seed. Eac
 temperature) case decodes every prompt in static verify mode with SpecConfig.block_size = block
 (the draft proposes its own block and the first block - 1 drafts are verified) and reports the
 acceptance length: tokens emitted per request per step (accepted drafts + 1), summed over
-requests. Runs on the CPU or the GPU. Usage:
+requests, and the share of accepted drafts that sit inside an exact repeat of their context
+(`repeat_share`: the REPEAT_NGRAM tokens ending at the draft occurred earlier in prompt + output),
+so copying is told apart from prediction. Runs on the CPU or the GPU. Usage:
 
   python3 bench/acceptance.py --target models/tiny-target --draft models/tiny-dflash --out bench/out
 Writes DIR/acceptance.json and DIR/acceptance.md.
@@ -24,6 +26,30 @@ def _ints(text):
 
 def _floats(text):
     return [float(x) for x in text.split(",")]
+
+
+REPEAT_NGRAM = 16  # bytes for the shipped byte-level models: a line fragment, not a common word
+
+
+def repeat_share(prompt, tokens, accepted, n=REPEAT_NGRAM):
+    """(accepted drafts inside an exact repeat, accepted drafts) of one request: step i emitted
+    accepted[i] drafts then one target token, in order, as `tokens`; a draft at position j of
+    prompt + tokens is inside a repeat when the n tokens ending at j also end at some j' < j."""
+    seq = [int(t) for t in prompt] + [int(t) for t in tokens]
+    seen = {tuple(seq[j - n + 1 : j + 1]) for j in range(n - 1, len(prompt))}
+    drafts, pos = set(), len(prompt)
+    for count in accepted:
+        drafts.update(range(pos, pos + count))
+        pos += count + 1
+    repeated = total = 0
+    for j in range(len(prompt), len(seq)):
+        gram = tuple(seq[j - n + 1 : j + 1]) if j >= n - 1 else None
+        if j in drafts:
+            total += 1
+            repeated += gram in seen
+        if gram is not None:
+            seen.add(gram)
+    return repeated, total
 
 
 def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=0, trace_path=None):
@@ -51,6 +77,9 @@ def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(r.stats["steps"] for r in results)
     per_request = [r.stats["accept_length"] for r in results]
+    repeated, accepted = map(
+        sum, zip(*(repeat_share(p, r.tokens, r.stats["accepted"]) for p, r in zip(prompts, results)))
+    )
     return {
         "block": block,
         "temperature": temperature,
@@ -61,6 +90,8 @@ def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=
         "accept_length_min": min(per_request),
         "accept_length_max": max(per_request),
         "tokens_per_s": tokens / seconds,
+        "accepted_drafts": accepted,
+        "accepted_in_repeats": repeated / max(accepted, 1),
     }
 
 
@@ -124,12 +155,13 @@ def main(argv=None):
         f"{args.prompts} held-out prompts of {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
         f"static verify mode ({meta['device']}).",
         "",
-        "| block | T | acceptance length | min..max per request | tokens/s |",
-        "|---|---|---|---|---|",
+        f"| block | T | acceptance length | min..max per request | accepted drafts in exact {REPEAT_NGRAM}-token "
+        "repeats | tokens/s |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['block']} | {r['temperature']:g} | {r['accept_length']:.2f} | {r['accept_length_min']:.2f}.."
-        f"{r['accept_length_max']:.2f} | {r['tokens_per_s']:.0f} |"
+        f"{r['accept_length_max']:.2f} | {100 * r['accepted_in_repeats']:.1f}% | {r['tokens_per_s']:.0f} |"
         for r in rows
     ]
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:
