@@ -46,7 +46,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
-from jaxspec.pallas.tiles import gqa_row_map, is_layer_index, is_pow2, layer_operand, next_pow2
+from jaxspec.pallas.tiles import (
+    check_int_fields,
+    check_pow2_fields,
+    given_fields,
+    gqa_row_map,
+    is_layer_index,
+    layer_operand,
+    next_pow2,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 _DTYPES = (jnp.dtype(F32), jnp.dtype(BF16))
@@ -110,24 +118,14 @@ class AttentionVerifyConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        for field in ("block_k", "block_d"):
-            val = getattr(self, field)
-            if val is not None and not (is_pow2(val) and 16 <= val <= 256):
-                raise ValueError(f"{name}.{field}={val!r}: must be a power of two in [16, 256]")
-        if self.num_splits is not None and not (isinstance(self.num_splits, int) and 1 <= self.num_splits <= 512):
-            raise ValueError(f"{name}.num_splits={self.num_splits!r}: must be an integer in [1, 512]")
-        if not (is_pow2(self.min_split) and self.min_split >= 16):
-            raise ValueError(f"{name}.min_split={self.min_split!r}: must be a power of two >= 16")
-        if not (isinstance(self.target_programs, int) and self.target_programs >= 1):
-            raise ValueError(f"{name}.target_programs={self.target_programs!r}: must be an integer >= 1")
-        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{name}.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
-        if self.num_stages is not None and not (isinstance(self.num_stages, int) and 1 <= self.num_stages <= 4):
-            raise ValueError(f"{name}.num_stages={self.num_stages!r}: must be an integer in [1, 4]")
-        if not (is_pow2(self.combine_block_d) and 16 <= self.combine_block_d <= 256):
-            raise ValueError(f"{name}.combine_block_d={self.combine_block_d!r}: must be a power of two in [16, 256]")
-        if self.combine_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{name}.combine_warps={self.combine_warps!r}: must be one of 1, 2, 4, 8, 16")
+        pow2 = (("block_k", 16, 256), ("block_d", 16, 256), ("num_warps", 1, 16))
+        check_pow2_fields(
+            self,
+            given_fields(self, pow2)
+            + [("min_split", 16, None), ("combine_block_d", 16, 256), ("combine_warps", 1, 16)],
+        )
+        check_int_fields(self, given_fields(self, (("num_splits", 1, 512), ("num_stages", 1, 4))))
+        check_int_fields(self, (("target_programs", 1, None),))
         if self.partial_dtype is not None and self.partial_dtype not in PARTIAL_DTYPES:
             raise ValueError(f"{name}.partial_dtype={self.partial_dtype!r}: must be one of {PARTIAL_DTYPES}")
 

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import default_interpret
-from jaxspec.pallas.tiles import check_pow2_fields, next_pow2
+from jaxspec.pallas.tiles import check_int_fields, check_pow2_fields, next_pow2
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 PROGRAMS_PER_GROUP = 32  # n tiles x k splits of one expert: 8 experts (batch 1, top-8) fill 2 x 132 SMs
@@ -98,12 +98,7 @@ class ExpertMatmulConfig:
             check_pow2_fields(self, (("block_k", 16, 1 << 16),))
             if self.block_k < self.inner_k:
                 raise ValueError(f"ExpertMatmulConfig.block_k={self.block_k}: must be >= inner_k={self.inner_k}")
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"ExpertMatmulConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
-        if not isinstance(self.split_pairs, int) or self.split_pairs < 0:
-            raise ValueError(f"ExpertMatmulConfig.split_pairs={self.split_pairs!r}: must be an int >= 0")
-        if not isinstance(self.direct_pairs, int) or not 0 <= self.direct_pairs <= 128:
-            raise ValueError(f"ExpertMatmulConfig.direct_pairs={self.direct_pairs!r}: must be an int in [0, 128]")
+        check_int_fields(self, (("num_stages", 1, 8), ("split_pairs", 0, None), ("direct_pairs", 0, 128)))
 
     def resolve(self, k: int, n: int, pairs: int = 1) -> tuple[int, int, int]:
         """(block_n, block_k, inner_k) for a [K, N] weight matrix and `pairs` pairs (MMA operands

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import default_interpret
-from jaxspec.pallas.tiles import check_pow2_fields, is_pow2
+from jaxspec.pallas.tiles import check_int_fields, check_pow2_fields, is_pow2
 
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -67,8 +67,7 @@ class FoldConfig:
 
     def __post_init__(self):
         check_pow2_fields(self, (("block_v", 16, 512), ("heads", 1, 64), ("chunk", 16, 256), ("num_warps", 1, 16)))
-        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"FoldConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
+        check_int_fields(self, (("num_stages", 1, 8),))
 
 
 def default_config(ckpt_dtype, ring_len: int) -> FoldConfig:

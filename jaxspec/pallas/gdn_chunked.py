@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import default_interpret
-from jaxspec.pallas.tiles import check_pow2_fields, is_pow2, split_bf16
+from jaxspec.pallas.tiles import check_int_fields, check_pow2_fields, is_pow2, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 W_COLS = 64  # columns of W per product in the prep kernel (register budget)
@@ -74,8 +74,7 @@ class ChunkConfig:
 
     def __post_init__(self):
         check_pow2_fields(self, (("chunk", 16, 64), ("block_v", 16, 256), ("num_warps", 1, 16), ("prep_warps", 1, 16)))
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or not 1 <= self.num_stages <= 8:
-            raise ValueError(f"ChunkConfig.num_stages={self.num_stages!r}: must be an int in [1, 8]")
+        check_int_fields(self, (("num_stages", 1, 8),))
 
 
 def supports(q, k, v, g, beta, h0, lengths=None, config=None) -> bool:

@@ -52,7 +52,7 @@ from jaxspec.pallas.gdn_window_math import (
     zero_padding_rows,
 )
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
-from jaxspec.pallas.tiles import is_layer_index, is_pow2, layer_operand, split_bf16
+from jaxspec.pallas.tiles import check_int_fields, check_pow2_fields, is_layer_index, is_pow2, layer_operand, split_bf16
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 MAX_T = 32  # window tile <= 32: the forward substitution is unrolled and lives in registers
@@ -84,18 +84,18 @@ class VerifyConfig:
     coeff_warps: int = 1
 
     def __post_init__(self):
-        for name in ("block_v", "block_k", "num_warps", "pad_rows", "coeff_warps"):
-            val = getattr(self, name)
-            if not is_pow2(val):
-                raise ValueError(f"VerifyConfig.{name}={val!r}: must be a positive power of two")
-        for name in ("block_v", "block_k"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"VerifyConfig.{name}={getattr(self, name)}: must be >= 16 (tensor-core dot tile)")
-        for name in ("num_warps", "coeff_warps"):
-            if getattr(self, name) > 16:
-                raise ValueError(f"VerifyConfig.{name}={getattr(self, name)}: must be <= 16")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"VerifyConfig.num_stages={self.num_stages!r}: must be an int >= 1")
+        # block_v / block_k >= 16: the tensor-core dot tile
+        check_pow2_fields(
+            self,
+            (
+                ("block_v", 16, None),
+                ("block_k", 16, None),
+                ("num_warps", 1, 16),
+                ("pad_rows", 1, None),
+                ("coeff_warps", 1, 16),
+            ),
+        )
+        check_int_fields(self, (("num_stages", 1, None),))
 
 
 def default_config(ckpt_dtype, v_dim) -> VerifyConfig:

@@ -8,13 +8,29 @@ def is_pow2(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
-def check_pow2_fields(config, ranges) -> None:
-    """ValueError naming the field unless every (name, lo, hi) field of the config dataclass is a
-    power of two in [lo, hi]."""
+def _check_fields(config, ranges, ok, kind) -> None:
     for name, lo, hi in ranges:
         val = getattr(config, name)
-        if not is_pow2(val) or not lo <= val <= hi:
-            raise ValueError(f"{type(config).__name__}.{name}={val!r}: must be a power of two in [{lo}, {hi}]")
+        if not ok(val) or val < lo or (hi is not None and val > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{type(config).__name__}.{name}={val!r}: must be {kind} {bounds}")
+
+
+def check_pow2_fields(config, ranges) -> None:
+    """ValueError naming the field unless every (name, lo, hi) field of the config dataclass is a
+    power of two in [lo, hi]; hi None: no upper bound."""
+    _check_fields(config, ranges, is_pow2, "a power of two")
+
+
+def check_int_fields(config, ranges) -> None:
+    """ValueError naming the field unless every (name, lo, hi) field of the config dataclass is an
+    int (not a bool) in [lo, hi]; hi None: no upper bound."""
+    _check_fields(config, ranges, lambda v: isinstance(v, int) and not isinstance(v, bool), "an int")
+
+
+def given_fields(config, ranges) -> list:
+    """The (name, lo, hi) of `ranges` whose config field is not None (None: chosen per call)."""
+    return [r for r in ranges if getattr(config, r[0]) is not None]
 
 
 def next_pow2(v) -> int:
