@@ -441,8 +441,8 @@ def main(args):
             ts = []
             for _ in range(args.step_reps + 1):
                 t = time.perf_counter()
-                emitted, used = step()
-                jax.block_until_ready(emitted)
+                readout, used = step()
+                jax.block_until_ready(readout)
                 ts.append(time.perf_counter() - t)
             # a fresh prefill: each call advances the rows by a window
             step = engine.forced_step(b, tier, prompt_len=width, seed=args.seed, greedy=greedy, switch=switch)

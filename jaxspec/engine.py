@@ -174,6 +174,7 @@ class Engine:
         self.tier_counts = collections.Counter()
         self.tier_dispatch = tier_dispatch
         self._switch = tier_dispatch == "switch" and mode in ("cap-accept", "compact")
+        self._plans_on_host = mode in ("cap-accept", "compact") and not self._switch
         self._steps_run = 0
         self.totals = collections.Counter()  # over the steps read: steps, rows, verified, tier_tokens
         sim = spec.simulated_acceptance
@@ -240,8 +241,9 @@ class Engine:
 
     def forced_step(self, batch, tier, *, prompt_len=8, seed=0, greedy=True, switch=False):
         """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
-        verified draft accepted; mode none: one token) and returns (emitted tokens [S, T], the
-        tier tokens the step ran: int32 []).
+        verified draft accepted; mode none: one token) and returns (the step's readout [S, T + 2]
+        int32: emitted tokens [S, T], then accepted and verified counts (`step.readout`); the tier
+        tokens the step ran: int32 []).
 
         The engine must be idle; its state is reset and `batch` random prompts of `prompt_len`
         tokens are prefilled into slots 1..batch (temperature 0); every call advances them by one
@@ -267,8 +269,8 @@ class Engine:
 
         def run():
             args, kwargs = self._step_args(slots, **call)
-            self.state, emitted, *_, used = self._step(*args, **kwargs)
-            return emitted, used
+            self.state, readout, *_, used = self._step(*args, **kwargs)
+            return readout, used
 
         return run
 
@@ -592,7 +594,7 @@ class Engine:
             tier, plan = self.tier_planner.choose_tier(rows, old, self._steps_run), None
         temperature = np.asarray([0.0 if r is None else r.sampling[0] for r in rows], np.float32)
         slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)  # travels with the call
-        self.state, emitted, accepted, verified, features, survival, used = self._step(
+        self.state, readout, features, survival, used = self._step(
             self.state,
             self.target,
             self.proposer,
@@ -605,21 +607,26 @@ class Engine:
         )
         self._steps_run += 1
         # start the device-to-host copies now: by the time the host reads them (next turn; the
-        # survivals `lag` steps later) they are there, no round trip
-        for out in (emitted, accepted, verified, survival if tier is not None else used):
-            if out is not None:  # mode none has no survivals
-                out.copy_to_host_async()
+        # survivals `lag` steps later, only where the host plans) they are there, no round trip
+        readout.copy_to_host_async()
+        if tier is None:
+            used.copy_to_host_async()
+        elif self._plans_on_host:
+            survival.copy_to_host_async()
         self._history.append((rows, survival))
         if self.recorder is not None:
-            self.recorder.add(features, verified, accepted, temperature, [-1 if r is None else r.id for r in rows])
-        return rows, emitted, accepted, verified, used if tier is None else tier
+            self.recorder.add(
+                features, readout[:, -1], readout[:, -2], temperature, [-1 if r is None else r.id for r in rows]
+            )
+        return rows, readout, used if tier is None else tier
 
     def _read(self, in_flight):
         """Read a dispatched step's tokens and emit them to their requests (rows of requests that
         finished meanwhile are discarded)."""
-        rows, emitted, accepted, verified, step_tier = in_flight
+        rows, readout, step_tier = in_flight
         self.tier_counts[int(step_tier)] += 1
-        emitted, accepted, verified = np.asarray(emitted), np.asarray(accepted), np.asarray(verified)
+        readout = np.asarray(readout)
+        emitted, accepted, verified = readout[:, :-2], readout[:, -2], readout[:, -1]
         live = [row for row, req in enumerate(rows) if req is not None]
         self.totals.update(
             steps=1, rows=len(live), verified=int(sum(verified[row] + 1 for row in live)), tier_tokens=int(step_tier)

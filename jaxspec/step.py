@@ -10,9 +10,10 @@ The contract. Layouts: S1 = num_slots + 1 slots, slot 0 the null slot; S rows a 
 R rows and P (padded) prompt positions a prefill; T = window (anchor + drafts). The step never
 recompiles for a new mix of requests: slot occupancy is data (inactive rows point at slot 0).
 - step, `jitted_step(window, mode, max_top_k, impl, tiers, switch)(state, target, proposer,
-  slots [S], plan, force_accept, *, greedy, tier, simulate=None)` -> (state, emitted [S, T],
-  accepted [S], verified [S], features [S, T-1], survival [S, T-1], tier tokens []); see `_step`
-  (mode "none": `_decode`, whose features and survival are None).
+  slots [S], plan, force_accept, *, greedy, tier, simulate=None)` -> (state, readout [S, T + 2]
+  int32 = emitted [S, T] | accepted [S] | verified [S] (`readout`), features [S, T-1], survival
+  [S, T-1], tier tokens []); see `_step` (mode "none": `_decode`, whose features and survival are
+  None).
 - prefill, `jitted_prefill(max_top_k, impl)(state, target, proposer, tokens [R, P], lengths [R],
   slots [R], keys [R, 2], params)` -> (state, first generated token [R]); see `_prefill`. One
   compiled prefill per prompt-length bucket (and row count) the host pads to.
@@ -23,7 +24,7 @@ no drafts that step (the target alone picks the token, so decoding stays lossles
 `EngineState.draft_non_finite`.
 """
 
-from functools import cache, partial
+from functools import cache, partial, wraps
 
 import jax
 import jax.numpy as jnp
@@ -294,7 +295,25 @@ def jitted_step(window, mode, max_top_k, impl, tiers, switch):
         step = partial(_decode, max_top_k=max_top_k, impl=impl)
     else:
         step = partial(_step, window=window, mode=mode, max_top_k=max_top_k, impl=impl, tiers=list(tiers))
-    return jax.jit(step, static_argnames=("greedy", "tier"), donate_argnums=(0,))
+    return jax.jit(_with_readout(step), static_argnames=("greedy", "tier"), donate_argnums=(0,))
+
+
+def _with_readout(step):
+    """`step` returning (state, readout [S, T + 2] int32 = emitted tokens | accepted | verified,
+    features, survival, tier tokens): what the host reads of every step in one transfer (on a
+    launch-bound step each device-to-host copy is ~15-25 µs of host time)."""
+
+    @wraps(step)
+    def run(*args, **kwargs):
+        state, emitted, accepted, verified, features, survival, used = step(*args, **kwargs)
+        return state, readout(emitted, accepted, verified), features, survival, used
+
+    return run
+
+
+def readout(emitted, accepted, verified):
+    """[S, T + 2] int32: emitted [S, T], accepted [S], verified [S] side by side (`_with_readout`)."""
+    return jnp.concatenate([emitted, accepted[:, None], verified[:, None]], axis=1).astype(jnp.int32)
 
 
 @cache
