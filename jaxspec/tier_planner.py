@@ -6,6 +6,7 @@ survivals (tier_dispatch "switch": the step chooses the tier on the device, jaxs
 docs/design.md section 7.
 """
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ class TierPlanner:
         self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
         self._costs, self._ladders = None, {}  # (cost table, *`_cost_matrix`), {n: `_ladder(n)`}
 
-    @property
+    @functools.cached_property
     def warmup_steps(self) -> int:
         """Steps that verify full blocks before compact / cap-accept plan: those before the
         estimator's `warmup_refits`-th refit (its schedule: `estimator.refit_calls`)."""
