@@ -166,3 +166,17 @@ def test_engine_decodes_the_same_tokens(models):
     want = [r.tokens for r in none.generate(prompts, max_new_tokens=12)]
     got = [r.tokens for r in static.generate(prompts, max_new_tokens=12)]
     assert got == want
+
+
+def test_layer_list_is_traced_once():
+    """A per-layer list runs one jitted group function G times: the lowered verify of 16 layers is
+    about the size of 8 layers' (one group function, called 4 times instead of 2), not twice it."""
+    sizes = {}
+    for layers in (8, 16):
+        config = shapes.target_config(dict(shapes.SMOKE_TARGET, interval=4), layers)
+        target = jax.eval_shape(lambda c=config: tgt.init_target(c, jax.random.PRNGKey(0)))
+        cache = jax.eval_shape(lambda c=config: cache_mod.init_cache(c, CacheConfig(num_slots=2, max_len=32, window=4)))
+        tokens, qsl, slots = jnp.zeros((8,), jnp.int32), jnp.array([0, 4, 8], jnp.int32), jnp.array([1, 2], jnp.int32)
+        verify = jax.jit(lambda t, c: tgt.verify(t, c, tokens, qsl, slots, (), impl="ref")[0])
+        sizes[layers] = len(verify.lower(target, cache).as_text())
+    assert sizes[16] < 1.2 * sizes[8], sizes
