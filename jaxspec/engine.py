@@ -277,12 +277,18 @@ class Engine:
     def profile(self, batches, *, repeats=10, prompt_len=8, seed=0, on_entry=None) -> CostTable:
         """Time the real jitted step per (batch, tier) with forced acceptance (every verified draft
         accepted) and return the cost table the planner reads: entries {(batch, tier tokens):
-        median seconds}, for every tier >= batch; in static mode, which verifies every slot's whole
-        block whatever the tier, the full tier alone (num_slots * window tokens). The engine's
-        state is reset. on_entry(batch, tier, seconds), if given, is called after each entry (e.g.
-        a progress bar)."""
+        seconds a step}, for every tier >= batch; in static mode, which verifies every slot's whole
+        block whatever the tier, the full tier alone (num_slots * window tokens). A step's seconds
+        are those of `repeats` calls run back to back (after one that compiles), synchronised once
+        at the end, as the decoding loop runs them: the host dispatches step k + 1 while the device
+        runs step k, so a step costs the larger of the two, and where the host's dispatch is the
+        larger (a small model) every tier costs about the same and the planner verifies full
+        blocks. The engine's state is reset. on_entry(batch, tier, seconds), if given, is called
+        after each entry (e.g. a progress bar)."""
         if self.proposer is None:
             raise ValueError("profile: verify_mode 'none' has no tiers to profile")
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
         entries = {}
         calls = repeats + 1
         if prompt_len + calls * self.window > self.spec.max_len:
@@ -297,12 +303,12 @@ class Engine:
                 if tier < batch:
                     continue
                 step = self.forced_step(batch, tier, prompt_len=prompt_len, seed=seed)
-                times = []
-                for _ in range(calls):
-                    start = time.perf_counter()
-                    jax.block_until_ready(step())
-                    times.append(time.perf_counter() - start)
-                entries[(batch, tier)] = float(np.median(times[1:]))  # the first call compiles
+                jax.block_until_ready(step())  # compiles
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    out = step()
+                jax.block_until_ready(out)
+                entries[(batch, tier)] = (time.perf_counter() - start) / repeats
                 if on_entry is not None:
                     on_entry(batch, tier, entries[(batch, tier)])
         self.state = self._init_state()

@@ -191,3 +191,24 @@ def test_full_tier_skips_the_plan(model, table, mode):
     baseline = _engine(model, table, "static", "host", 4).forced_lowerings(SLOTS, 12)["step"]().as_text()
     assert sorts(12) == baseline.count("stablehlo.sort")
     assert sorts(8) > sorts(12)
+
+
+def test_profile_times_steps_back_to_back(model, table, monkeypatch):
+    """Engine.profile times `repeats` calls run back to back with one synchronisation at the end
+    (the pipelined loop's cost: the larger of the host's dispatch and the device's work), after a
+    compiling call; repeats < 1 is refused by name."""
+    engine = _engine(model, table, "compact", "host", 4)  # tiers (3, 8, 12)
+    syncs = []
+    real_sync = jax.block_until_ready
+
+    def counting_sync(x):
+        syncs.append(1)
+        return real_sync(x)
+
+    monkeypatch.setattr(jax, "block_until_ready", counting_sync)
+    costs = engine.profile([SLOTS], repeats=3)
+    assert sorted(costs.entries) == [(SLOTS, t) for t in engine.tier_tokens]
+    assert all(seconds > 0 for seconds in costs.entries.values())
+    assert len(syncs) == 2 * len(engine.tier_tokens)  # the compiling call, then one after the repeats
+    with pytest.raises(ValueError, match="repeats"):
+        engine.profile([SLOTS], repeats=0)
