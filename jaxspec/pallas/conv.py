@@ -38,7 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
-from jaxspec.pallas.tiles import is_layer_index, is_pow2, layer_operand, next_pow2
+from jaxspec.pallas.tiles import (
+    check_int_fields,
+    check_pow2_fields,
+    given_fields,
+    is_layer_index,
+    layer_operand,
+    next_pow2,
+)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MAX_T = 64  # largest window (conv_window.shape[1]) the unrolled verify kernel accepts
@@ -75,20 +82,9 @@ class ConvVerifyConfig:
     row_group: int = 8
 
     def __post_init__(self):
-        if self.block_c is not None and not (is_pow2(self.block_c) and 16 <= self.block_c <= 4096):
-            raise ValueError(f"ConvVerifyConfig.block_c={self.block_c!r}: must be a power of two in [16, 4096]")
-        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"ConvVerifyConfig.num_warps={self.num_warps!r}: must be one of 1, 2, 4, 8, 16")
-        if self.requests_per_program is not None and not (
-            isinstance(self.requests_per_program, int) and 1 <= self.requests_per_program <= 16
-        ):
-            raise ValueError(
-                f"ConvVerifyConfig.requests_per_program={self.requests_per_program!r}: must be an integer in [1, 16]"
-            )
-        if not (is_pow2(self.pad_rows) and self.pad_rows <= 64):
-            raise ValueError(f"ConvVerifyConfig.pad_rows={self.pad_rows!r}: must be a power of two in [1, 64]")
-        if not (isinstance(self.row_group, int) and 1 <= self.row_group <= 64):
-            raise ValueError(f"ConvVerifyConfig.row_group={self.row_group!r}: must be an integer in [1, 64]")
+        pow2 = (("block_c", 16, 4096), ("num_warps", 1, 16))
+        check_pow2_fields(self, [*given_fields(self, pow2), ("pad_rows", 1, 64)])
+        check_int_fields(self, [*given_fields(self, (("requests_per_program", 1, 16),)), ("row_group", 1, 64)])
 
     def resolve(self, num_requests: int, channels: int, itemsize: int, t_max: int = 1) -> tuple[int, int, int]:
         """(block_c, num_warps, requests_per_program) for a call."""

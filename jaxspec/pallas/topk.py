@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxspec.pallas.hardware import NUM_SMS, default_interpret
-from jaxspec.pallas.tiles import check_pow2_fields, next_pow2
+from jaxspec.pallas.tiles import check_int_fields, check_pow2_fields, given_fields, next_pow2
 
 MAX_K = 64  # the selection's [K, group] / [K, chunk] tiles live in registers
 MAX_BLOCKS = 4096  # select_top_k holds a row's block maxima in registers
@@ -127,10 +127,7 @@ class TopKConfig:
                 ("select_warps", 1, 16),
             ],
         )
-        if not (isinstance(self.unroll, int) and 1 <= self.unroll <= 16):
-            raise ValueError(f"TopKConfig.unroll={self.unroll!r}: must be an int in [1, 16]")
-        if self.steps is not None and not (isinstance(self.steps, int) and self.steps >= 1):
-            raise ValueError(f"TopKConfig.steps={self.steps!r}: must be an int >= 1")
+        check_int_fields(self, [("unroll", 1, 16), *given_fields(self, (("steps", 1, None),))])
 
     def resolve(self, rows: int, vocab: int, k: int, dtype=jnp.bfloat16) -> dict:
         """The launch plan: block geometry, steps and programs of the stream, K (k's power of two)."""
