@@ -521,6 +521,7 @@ DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
 
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
 FIRST_REFIT = 4  # the estimator's first early refit call (`estimator.refit_calls`), by default
+PLAN_OVERHEAD = 0.03  # a trimmed step's price beyond its cost-table time, x the full block's (SpecConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,6 +664,11 @@ class SpecConfig:
     max_top_k: the static top-k bound of the target distribution for sampled requests.
     lag: steps between the survivals the host plans a budget with and the step it plans (>= 1:
         the host never waits for the step in flight).
+    plan_overhead: a step that trims drafts (compact, cap-accept) is priced at its cost-table time
+        plus plan_overhead x the full block's time at the same rows: the survival read-back, the
+        device's sort and packing, and the profile's noise, none of which the table times. So a
+        trimmed tier must save more than this share to be chosen; where the table is flat (a
+        host-bound step) the planner verifies full blocks.
     num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
     refit_interval, first_refit: the estimator refits at steps first_refit * 2^j below
         refit_interval (4, 8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
@@ -688,6 +694,7 @@ class SpecConfig:
     ring_dtype: str = "float32"
     max_top_k: int = 64
     lag: int = 2
+    plan_overhead: float = PLAN_OVERHEAD
     num_tiers: int = 4
     refit_interval: int = 100
     first_refit: int = FIRST_REFIT
@@ -712,6 +719,8 @@ class SpecConfig:
         for field in ("lag", "num_tiers", "refit_interval"):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 1:
                 raise bad(field, "must be an int >= 1")
+        if not _is_real(self.plan_overhead) or not 0 <= self.plan_overhead < 1:
+            raise bad("plan_overhead", "must be a number in [0, 1)")
         for field in ("first_refit", "warmup_refits"):
             if not _is_int(getattr(self, field)) or getattr(self, field) < 0:
                 raise bad(field, "must be an int >= 0")

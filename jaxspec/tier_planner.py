@@ -100,16 +100,21 @@ class TierPlanner:
 
     def _cost_matrix(self):
         """(costs [S + 1, tiers] float32 numpy, the same on the device, placeholder survivals
-        [S, window - 1] on the device): the profiled step time of tier j's admissible budget at n
-        active rows, built once per cost table (1 s everywhere without a table)."""
+        [S, window - 1] on the device): the price of tier j's admissible budget b at n active
+        rows, built once per cost table (1 s everywhere without a table): its profiled step time,
+        plus `SpecConfig.plan_overhead` x the full block's (n + n (window - 1) tokens) where
+        b < n (window - 1) trims drafts (`planner.choose_budget`'s price)."""
         if self._costs is None or self._costs[0] is not self.cost_table:
             s, d = self.spec.num_slots, self.window - 1
             costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
             if self.cost_table is not None and not self.cost_table.is_trivial:
                 for n in range(1, s + 1):
+                    full = self.cost_table.step_time(n, n + n * d)
                     for j, tier in enumerate(self.tier_tokens):
                         if tier >= n:
-                            costs[n, j] = self.cost_table.step_time(n, n + min(tier - n, n * d))
+                            budget = min(tier - n, n * d)
+                            trim = self.spec.plan_overhead * full if budget < n * d else 0.0
+                            costs[n, j] = self.cost_table.step_time(n, n + budget) + trim
             self._costs = (self.cost_table, costs, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
             self._ladders = {}
         return self._costs[1:]

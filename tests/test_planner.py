@@ -247,7 +247,7 @@ def test_cost_table_save_load(tmp_path):
 def test_tier_planner_takes_choose_budgets_tier():
     """TierPlanner.choose_tier (plain Python on the host) runs the tier of `choose_budget`'s budget
     (numpy, float64) over the admissible budgets of the ladder: random survivals with NaNs, idle
-    slots, newcomers (survivals 1), several slot counts and blocks."""
+    slots, newcomers (survivals 1), several slot counts, blocks and plan overheads."""
     from jaxspec.config import SpecConfig
     from jaxspec.spec.layout import tier_for
     from jaxspec.tier_planner import TierPlanner
@@ -256,7 +256,10 @@ def test_tier_planner_takes_choose_budgets_tier():
     chosen = set()
     for case in range(80):
         slots, block = int(rng.integers(1, 11)), int(rng.integers(2, 9))
-        spec = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block, warmup_refits=0)
+        overhead = float(rng.choice([0.0, 0.03, rng.uniform(0, 0.5)]))
+        spec = SpecConfig(
+            verify_mode="compact", num_slots=slots, block_size=block, warmup_refits=0, plan_overhead=overhead
+        )
         ladder = tiers(slots, block)[0]
         slope = rng.uniform(0.001, 0.3)
         table = CostTable({(b, t): 1.0 + slope * t for b in range(1, slots + 1) for t in range(1, ladder[-1] + 1)})
@@ -272,9 +275,50 @@ def test_tier_planner_takes_choose_budgets_tier():
         n = len(live)
         want_survival = np.stack([survival[i] if rows[i] is old_rows[i] else np.ones(block - 1) for i in live])
         admissible = sorted({min(t - n, n * (block - 1)) for t in ladder if t >= n})
-        budget = choose_budget(want_survival, table, admissible)
+        budget = choose_budget(want_survival, table, admissible, plan_overhead=overhead)
         want = ladder[tier_for(n + budget, ladder)]
         got = planner.choose_tier(rows, (old_rows, jnp.asarray(survival)), 10**6)
         assert got == want, case
         chosen.add(got == ladder[-1])
     assert chosen == {True, False}
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.03, 0.2])
+def test_plan_overhead_prices_trimmed_budgets(overhead):
+    """A budget that trims drafts costs its table time + plan_overhead x the full block's: against a
+    float64 oracle of tau / c over every budget, on a table whose time grows with tokens by 0..10%
+    across the block (flat: a host-bound step)."""
+    rng = np.random.default_rng(int(overhead * 100))
+    for case in range(60):
+        b, d = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+        slope = float(rng.choice([0.0, rng.uniform(0, 0.1 / (b * (d + 1)))]))
+        table = CostTable({(b, t): 1.0 + slope * t for t in (b, b * (d + 1))})
+        survival = np.sort(rng.uniform(0, 1, (b, d)), axis=1)[:, ::-1]
+        budgets = list(range(b * d + 1))
+        top = np.sort(survival.ravel())[::-1].astype(np.float64)
+        tau = b + np.concatenate([[0.0], np.cumsum(top)])
+        full = 1.0 + slope * b * (d + 1)
+        price = [1.0 + slope * (b + n) + (overhead * full if n < b * d else 0.0) for n in budgets]
+        want = int(np.argmax(tau / np.asarray(price)))
+        assert choose_budget(survival, table, budgets, plan_overhead=overhead) == want, case
+        if slope == 0.0 and overhead > 0:
+            assert want == b * d, case  # flat table: every draft is verified
+
+
+def test_flat_cost_table_verifies_full_blocks_through_the_tier_planner():
+    """The engine's host rule on a table flat within 1% (a host-bound tiny step) keeps the full tier
+    at the default plan_overhead, and trims on the same survivals without it."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.tier_planner import TierPlanner
+
+    slots, block = 16, 8
+    ladder = tiers(slots, block)[0]
+    table = CostTable({(n, t): 1.0 + 0.01 * t / ladder[-1] for n in range(1, slots + 1) for t in ladder})
+    survival = np.cumprod(np.full((slots, block - 1), 0.2, np.float32), axis=1)
+    rows = [object() for _ in range(slots)]
+    picks = {}
+    for overhead in (0.0, SpecConfig().plan_overhead):
+        spec = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block, plan_overhead=overhead)
+        picks[overhead] = TierPlanner(spec, block, table).choose_tier(rows, (rows, jnp.asarray(survival)), 10**6)
+    assert picks[SpecConfig().plan_overhead] == ladder[-1]
+    assert picks[0.0] < ladder[-1]

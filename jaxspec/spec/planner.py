@@ -171,14 +171,18 @@ def expected_tokens(survival) -> np.ndarray:
     return s.shape[0] + np.concatenate([[0.0], np.cumsum(top)])
 
 
-def choose_budget(survival, cost_table: CostTable, admissible: Iterable[int], *, overhead: float = 0.0) -> int:
+def choose_budget(
+    survival, cost_table: CostTable, admissible: Iterable[int], *, overhead: float = 0.0, plan_overhead: float = 0.0
+) -> int:
     """The draft budget n in `admissible` maximising tau(n) / c(n) (host, numpy).
 
     survival [B, D]: estimated acceptance probability of each draft (rows non-increasing; only
     the multiset matters here). tau(n) = B + the n largest survivals; c(n) =
-    cost_table.step_time(B, B + n) + overhead (overhead: per-step seconds outside the verify,
-    e.g. the draft, when the table does not include them). First maximum wins, scanning
-    budgets ascending, so ties go to the smallest n. A trivial table returns max(admissible).
+    cost_table.step_time(B, B + n) + overhead (overhead: per-step seconds outside the verify, e.g.
+    the draft, when the table does not include them), plus plan_overhead x c(B D) for a budget
+    n < B D that trims drafts (`SpecConfig.plan_overhead`: what a trimmed step costs beyond the
+    table). First maximum wins, scanning budgets ascending, so ties go to the smallest n. A
+    trivial table returns max(admissible).
     """
     survival = np.asarray(survival)
     budgets = sorted(int(n) for n in admissible)
@@ -192,9 +196,11 @@ def choose_budget(survival, cost_table: CostTable, admissible: Iterable[int], *,
     if cost_table is None or cost_table.is_trivial or b == 0:
         return budgets[-1]
     tau = expected_tokens(survival)
+    full = cost_table.step_time(b, b + b * d)
     best, best_rate = budgets[0], -math.inf
     for n in budgets:
-        rate = tau[n] / (cost_table.step_time(b, b + n) + overhead)
+        cost = cost_table.step_time(b, b + n) + (plan_overhead * full if n < b * d else 0.0)
+        rate = tau[n] / (cost + overhead)
         if rate > best_rate:
             best, best_rate = n, rate
     return best

@@ -8,7 +8,8 @@ the first l drafts of the row it would have accepted min(a, l) of them. The repl
 estimator over the trace (`calibration.replay_online`: survivals predicted before each step's
 outcome is observed), and per step (rows of one `step` index, n of them) applies the engine's rule:
 
-    budget = planner.choose_budget(survival [n, P], cost_table, admissible budgets of the tier ladder)
+    budget = planner.choose_budget(survival [n, P], cost_table, admissible budgets of the tier ladder,
+                                   plan_overhead=plan_overhead)
     l = planner.plan_lengths(survival, budget)         # drafts verified per row
     tier = the smallest tier holding n + budget tokens  # tokens the verify runs
 
@@ -27,13 +28,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxspec.config import PLAN_OVERHEAD
 from jaxspec.spec import layout, planner
 from jaxspec.spec.calibration import Trace, replay_online
 from jaxspec.spec.planner import CostTable
 
 
-def replay_planner(trace: Trace, cost_table: CostTable, *, num_tiers: int = 4, state=None) -> dict:
-    """Compact against static on `trace` (rows grouped into steps by `trace.step`).
+def replay_planner(
+    trace: Trace, cost_table: CostTable, *, num_tiers: int = 4, plan_overhead: float = PLAN_OVERHEAD, state=None
+) -> dict:
+    """Compact against static on `trace` (rows grouped into steps by `trace.step`). plan_overhead:
+    the engine's `SpecConfig.plan_overhead`, which a trimmed step also pays in the reported seconds.
 
     Returns {"steps", "rows", "static": totals, "compact": totals, "verified_saving" (1 - compact /
     static verified tokens), "accept_length_loss" (1 - compact / static accept length),
@@ -54,13 +59,16 @@ def replay_planner(trace: Trace, cost_table: CostTable, *, num_tiers: int = 4, s
     for start, end in zip(bounds[:-1], bounds[1:]):
         n, surv, accepted = end - start, survival[start:end], trace.accepted[start:end]
         tier_tokens, admissible = layout.tiers(int(n), p + 1, num_tiers)
-        budget = planner.choose_budget(surv, cost_table, admissible)
+        budget = planner.choose_budget(surv, cost_table, admissible, plan_overhead=plan_overhead)
         lengths = np.asarray(planner.plan_lengths(surv, budget))
         tier = tier_tokens[layout.tier_for(int(n) + budget, tier_tokens)]
         full = n * (p + 1)
         rows["static"].append((n, full, full, int(np.sum(accepted + 1)), cost_table.step_time(n, full)))
         committed = int(np.sum(np.minimum(accepted, lengths) + 1))
-        rows["compact"].append((n, tier, n + int(lengths.sum()), committed, cost_table.step_time(n, tier)))
+        seconds = cost_table.step_time(n, tier) + (
+            plan_overhead * cost_table.step_time(n, full) if budget < n * p else 0
+        )
+        rows["compact"].append((n, tier, n + int(lengths.sum()), committed, seconds))
     out = {"steps": len(rows["static"]), "rows": trace.num_rows, **_compare(rows)}
     out["by_batch"] = {}
     for n in sorted({r[0] for r in rows["static"]}):
