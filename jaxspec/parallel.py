@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
+from jaxspec.fused import unfuse_projections
 from jaxspec.ops import tp as tp_ops
 from jaxspec.ops.tp import AXIS
 from jaxspec.target import Target
@@ -159,6 +160,7 @@ def shard_target(target: Target, mesh: jax.sharding.Mesh) -> Target:
     tp = mesh.shape[AXIS]
     if target.qkv_groups != 1:
         raise ValueError(f"target: already split {target.qkv_groups} ways")
+    target = unfuse_projections(target)  # the column split is per separate projection
     config = target.config
     check_tp(config, tp)
     kv_repeat = max(1, tp // config.num_key_value_heads)

@@ -20,6 +20,7 @@ from flax import struct
 
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
+from jaxspec.fused import fuse_projections, fused_widths, split_columns
 from jaxspec.ops import attention, conv, gdn, moe, packing
 from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
@@ -46,17 +47,21 @@ class Target:
         return self.params["embed"].dtype
 
 
-def load_target(path, dtype=jnp.float32, *, stacked=False) -> Target:
+def load_target(path, dtype=jnp.float32, *, stacked=False, fused=True) -> Target:
     """A target from an HF-layout directory (config.json + *.safetensors), params in `dtype`;
-    stacked=True: the layers as stacked groups (`stack_layers`), stacked leaf by leaf as loaded."""
+    stacked=True: the layers as stacked groups (`stack_layers`), stacked leaf by leaf as loaded;
+    fused (default): each layer's same-input projections as one matrix (`jaxspec.fused`:
+    fewer, larger GEMMs; False keeps the checkpoint's separate matrices)."""
     config = load_config(path)
-    return _maybe_stacked(Target(params=load_params(path, config, dtype), config=config), stacked)
+    target = Target(params=load_params(path, config, dtype), config=config)
+    return _maybe_stacked(_maybe_fused(target, fused), stacked)
 
 
-def init_target(config: TargetConfig, key, dtype=jnp.float32, *, stacked=False) -> Target:
+def init_target(config: TargetConfig, key, dtype=jnp.float32, *, stacked=False, fused=False) -> Target:
     """Random params: matrices N(0, 1/fan_in) (stacked experts [E, in, out] per expert), zero-centred
     norm weights 0, the GDN output norm 1, conv taps N(0, 1/W), A_log = log U(1, 16), dt_bias 0.
-    stacked=True: the layers as stacked groups (`stack_layers`; the same values)."""
+    stacked=True: the layers as stacked groups (`stack_layers`; the same values); fused=True: the
+    same-input projections as one matrix each (`jaxspec.fused`, as `load_target` does)."""
     shapes = param_shapes(config)
     paths, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(paths))
@@ -72,7 +77,23 @@ def init_target(config: TargetConfig, key, dtype=jnp.float32, *, stacked=False) 
         return jax.random.normal(k, shape) * shape[-1 if name == "['conv']" else -2] ** -0.5
 
     leaves = [make(p, s, k).astype(dtype) for (p, s), k in zip(paths, keys)]
-    return _maybe_stacked(Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config), stacked)
+    target = Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config)
+    return _maybe_stacked(_maybe_fused(target, fused), stacked)
+
+
+def _maybe_fused(target: Target, fuse: bool) -> Target:
+    """`target` with fused projections when asked, a layer at a time (the separate matrices of a
+    layer are dropped as its fused ones are made: one layer's input projections held twice at most)."""
+    if not fuse:
+        return target
+    params = dict(target.params)
+    layers = params.pop("layers")
+    target = target.replace(params=params)
+    out = []
+    while layers:
+        out.append(fuse_projections(target.replace(params={"layers": [layers.pop(0)]})).params["layers"][0])
+    params["layers"] = out
+    return target.replace(params=params)
 
 
 def _maybe_stacked(target: Target, stacked: bool) -> Target:
@@ -103,8 +124,12 @@ def _logits(target, x):
 def _gdn_in(p, cfg, x):
     """x [..., d] -> raw conv inputs qkv [..., C], z [..., HV, V], g and beta [..., HV]."""
     hv, vd = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    g, beta = gdn.gating(dense(x, p["a"]), dense(x, p["b"]), p["A_log"], p["dt_bias"])
-    return dense(x, p["qkv"]), dense(x, p["z"]).reshape(x.shape[:-1] + (hv, vd)), g, beta
+    if "in_proj" in p:
+        qkv, a, b, z = split_columns(dense(x, p["in_proj"]), fused_widths("gdn", p, cfg))
+    else:
+        qkv, a, b, z = (dense(x, p[name]) for name in ("qkv", "a", "b", "z"))
+    g, beta = gdn.gating(a, b, p["A_log"], p["dt_bias"])
+    return qkv, z.reshape(x.shape[:-1] + (hv, vd)), g, beta
 
 
 def _gdn_split(cfg, y, groups):
@@ -132,10 +157,14 @@ def _gdn_out(p, cfg, o, z, dtype):
 def _attn_in(p, cfg, x, positions):
     """x [..., d] -> q [..., Hq, D] (normed, rotary), gate [..., Hq, D], k [..., KVH, D] (normed, rotary), v."""
     lead, D = x.shape[:-1], cfg.head_dim
-    qg = dense(x, p["q"]).reshape(lead + (cfg.num_attention_heads, 2 * D))
+    if "in_proj" in p:
+        qg, k, v = split_columns(dense(x, p["in_proj"]), fused_widths("attn", p, cfg))
+    else:
+        qg, k, v = (dense(x, p[name]) for name in ("q", "k", "v"))
+    qg = qg.reshape(lead + (cfg.num_attention_heads, 2 * D))
     q, gate = qg[..., :D], qg[..., D:]
-    k = dense(x, p["k"]).reshape(lead + (cfg.num_key_value_heads, D))
-    v = dense(x, p["v"]).reshape(lead + (cfg.num_key_value_heads, D))
+    k = k.reshape(lead + (cfg.num_key_value_heads, D))
+    v = v.reshape(lead + (cfg.num_key_value_heads, D))
     q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
     return q, gate, k, v

@@ -54,6 +54,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxspec.config import TargetConfig
+from jaxspec.fused import unfuse_params
 
 PARAM_DTYPES = (jnp.dtype("float32"), jnp.dtype("bfloat16"))
 _INDEX = "model.safetensors.index.json"
@@ -442,11 +443,12 @@ def save_params(path: str | os.PathLike, params: dict, config: TargetConfig, exp
     Tensors keep the dtype of their leaf. Routed experts are written in `expert_layout`,
     "per_expert" (as transformers' save_pretrained) or "fused" (module doc). The directory is
     created if needed; it must not hold other safetensors files or a shard index, which the
-    loader would read too. Raises ValueError if the pytree's keys or shapes differ from
-    `param_shapes(config)`.
+    loader would read too. Fused projections (jaxspec.fused) are written separate. Raises
+    ValueError if the pytree's keys or shapes differ from `param_shapes(config)`.
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}: must be one of {EXPERT_LAYOUTS}")
+    params = unfuse_params(params, config)
     shapes = param_shapes(config)
     want = dict(jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])

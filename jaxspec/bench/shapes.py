@@ -146,12 +146,13 @@ def draft_config(shape, tc, block):
     )
 
 
-def build(layers, block, *, model="qwen3.5-27b", smoke=False, seed=0, stacked=False):
+def build(layers, block, *, model="qwen3.5-27b", smoke=False, seed=0, stacked=False, fused=True):
     """(target, draft) with random bf16 weights: MODELS[model]'s shapes (its SMOKE shapes with
     smoke=True, whose layer count is its own), the target cut to `layers` layers, the draft proposing blocks of
     `block`; the target's layers a per-layer list, unrolled (stacked=True: stacked groups run by one
-    scan, `target.stack_layers`). `init_target` makes one leaf at a time, so only the bf16 tree and one leaf's float32
-    temporaries (or stacked copy) are alive at once."""
+    scan, `target.stack_layers`), with fused same-input projections as `load_target` gives them
+    (fused=False: separate, `jaxspec.fused`). `init_target` makes one leaf at a time, so only the
+    bf16 tree and one leaf's float32 temporaries (or stacked copy) are alive at once."""
     import jax
     import jax.numpy as jnp
 
@@ -160,6 +161,6 @@ def build(layers, block, *, model="qwen3.5-27b", smoke=False, seed=0, stacked=Fa
 
     tshape, dshape = shapes_of(model, smoke)
     tc = target_config(tshape, tshape["layers"] if smoke else layers)
-    target = target_mod.init_target(tc, jax.random.PRNGKey(seed), jnp.bfloat16, stacked=stacked)
+    target = target_mod.init_target(tc, jax.random.PRNGKey(seed), jnp.bfloat16, stacked=stacked, fused=fused)
     draft = dflash.init_draft(draft_config(dshape, tc, block), jax.random.PRNGKey(seed + 1), jnp.bfloat16)
     return target, draft

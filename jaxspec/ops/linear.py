@@ -25,10 +25,19 @@ def dense(x, w):
 
 
 def swiglu_mlp(p, x):
-    """down(silu(x @ gate) * (x @ up)); p = {"gate": [d, I], "up": [d, I], "down": [I, d]}."""
-    gate, up = dense(x, p["gate"]), dense(x, p["up"])
+    """down(silu(x @ gate) * (x @ up)); p = {"gate": [d, I], "up": [d, I], "down": [I, d]}, or
+    {"gate_up": [d, 2I] = [gate | up], "down"} (one product for both: jaxspec.fused)."""
+    if "gate_up" in p:
+        gate, up = jnp.split(dense(x, p["gate_up"]), 2, axis=-1)
+    else:
+        gate, up = dense(x, p["gate"]), dense(x, p["up"])
+    return swiglu_down(gate, up, p["down"], x.dtype)
+
+
+def swiglu_down(gate, up, down, dtype):
+    """down(silu(gate) * up) -> [..., d] in dtype; gate, up [..., I] (silu and product in float32)."""
     act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
-    return dense(act.astype(x.dtype), p["down"])
+    return dense(act.astype(dtype), down)
 
 
 def head_logits(x, w):

@@ -39,21 +39,27 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.ops.dispatch import IMPLS, use_kernel
-from jaxspec.ops.linear import HIGHEST, dense, swiglu_mlp
+from jaxspec.ops.linear import HIGHEST, dense, swiglu_down, swiglu_mlp
 from jaxspec.pallas import expert_matmul as pallas_expert_matmul
 
 
 def route(x, router, top_k: int, norm_topk_prob: bool):
     """x [T, d], router [d, E] -> (weights [T, k] in x.dtype, experts [T, k] int32).
 
-    Logits x @ router in x.dtype, softmax in float32, the top k (descending, ties to the lower
-    expert id), divided by their sum if norm_topk_prob, then cast to x.dtype.
+    Logits x @ router in x.dtype, then `route_logits`.
     """
-    probs = jax.nn.softmax(dense(x, router).astype(jnp.float32), axis=-1)  # [T, E]
+    return route_logits(dense(x, router), top_k, norm_topk_prob)
+
+
+def route_logits(logits, top_k: int, norm_topk_prob: bool):
+    """Router logits [T, E] (the activations' dtype) -> (weights [T, k] in that dtype, experts [T, k]
+    int32): softmax in float32, the top k (descending, ties to the lower expert id), divided by
+    their sum if norm_topk_prob, then cast back."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [T, E]
     weights, experts = jax.lax.top_k(probs, top_k)  # [T, k]
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights.astype(x.dtype), experts.astype(jnp.int32)
+    return weights.astype(logits.dtype), experts.astype(jnp.int32)
 
 
 def _ragged_dot(x, w, group_sizes):
@@ -178,14 +184,24 @@ def sparse_moe_block(p, x, valid, *, top_k: int, norm_topk_prob: bool, impl="aut
     """The whole sparse block (module doc equation). x [..., d], valid [...] bool -> [..., d] in x.dtype.
 
     p = {"router": [d, E], "gate_up": [E, d, 2Ie], "down": [E, Ie, d],
-         "shared": {"gate": [d, Is], "up": [d, Is], "down": [Is, d]}, "shared_gate": [d, 1]}.
+         "shared": {"gate": [d, Is], "up": [d, Is], "down": [Is, d]}, "shared_gate": [d, 1]},
+    or with the four products of x as one (jaxspec.fused): {"in_proj": [d, E + 1 + 2 Is] =
+    [router | shared_gate | shared gate | shared up], "gate_up", "down", "shared": {"down"}}.
     Invalid rows (padding, the null slot) route to no expert; their output is the shared expert's
     alone and is meant to be discarded.
     """
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])  # [T, d]
-    weights, experts = route(xf, p["router"], top_k, norm_topk_prob)  # [T, k]
+    if "in_proj" in p:
+        num_experts, inter = p["gate_up"].shape[0], p["shared"]["down"].shape[0]
+        logits, gate_logit, gate, up = jnp.split(
+            dense(xf, p["in_proj"]), [num_experts, num_experts + 1, num_experts + 1 + inter], axis=-1
+        )
+        shared = swiglu_down(gate, up, p["shared"]["down"], x.dtype)
+    else:
+        logits, gate_logit = dense(xf, p["router"]), dense(xf, p["shared_gate"])
+        shared = swiglu_mlp(p["shared"], xf)
+    weights, experts = route_logits(logits, top_k, norm_topk_prob)  # [T, k]
     routed = moe_experts(xf, weights, experts, p["gate_up"], p["down"], valid.reshape(-1), impl=impl)
-    gate = jax.nn.sigmoid(dense(xf, p["shared_gate"]).astype(jnp.float32))  # [T, 1]
-    shared = gate * swiglu_mlp(p["shared"], xf).astype(jnp.float32)
+    shared = jax.nn.sigmoid(gate_logit.astype(jnp.float32)) * shared.astype(jnp.float32)  # [T, d]
     return (routed.astype(jnp.float32) + shared).astype(x.dtype).reshape(lead + (x.shape[-1],))
