@@ -56,6 +56,16 @@ outside the GIL, so on a many-core host they overlap), ahead of the calls, which
 caches; each program's lower and compile wall times are recorded, and the first call's wall time (about one
 step when the compile was ahead; the compile itself with --compile-workers 0).
 
+Compile only (--compile-only): the 64-layer target + draft do not fit an 80 GB H100 with their state at
+batch 8 and up (bf16 weights alone ~54 GB), yet their compile times are wanted there. Lowering and
+compiling need only shapes, so the target and draft are built as abstract trees (jax.eval_shape of the same
+builders: jax.ShapeDtypeStruct leaves, no random init run, nothing allocated), the engines' state too
+(`abstract_engine`), and each batch's programs above (pass 1 and pass 2) are lowered and compiled as in a
+normal run, none run: no timing, trace, floor or copy bandwidth. The report holds the compile table per
+program, the totals per batch and overall, the concrete leaves the models and states had (0) and the live
+device array bytes at the end. On the GPU XLA's autotuning still allocates an op's operands while it
+compiles (one op at a time: well under the weights).
+
 Order (a timeout still leaves results; the JSON and markdown are rewritten after each case): pass 1, per
 batch in order: none, then spec full (with breakdowns); pass 2: the compact tiers per batch. --budget-s:
 no batch or case starts after that many seconds.
@@ -63,6 +73,7 @@ no batch or case starts after that many seconds.
 Usage (GPU):
   PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 bench/real_shape.py --out $OUT
   python3 bench/real_shape.py --smoke --out /tmp/rs      (CPU, tiny config, the same code path)
+  PYTHONPATH=$PWD python3 bench/real_shape.py --layers 64 --batches 1,8,32,64 --compile-only --out $OUT
 Writes DIR/real_shape.md and DIR/real_shape.json (DIR = --out, default $OUT or bench/out).
 """
 
@@ -142,8 +153,22 @@ def parse(argv=None):
         help="target layers as a per-layer list, unrolled (list), or stacked by group and run as one scan "
         "(groups: on the GPU each group's weights are sliced out of the stack, a copy: see bench/RESULTS.md)",
     )
+    ap.add_argument(
+        "--separate-projections",
+        action="store_true",
+        help="the target's same-input projections as separate matrices (default: fused, one GEMM each: "
+        "jaxspec.fused, as load_target gives them)",
+    )
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="abstract weights and state (jax.eval_shape: nothing allocated): lower and compile each batch's "
+        "programs, run none (compile times of a model too large for the device)",
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    if args.compile_only and args.compile_workers < 1:
+        ap.error("--compile-only: needs --compile-workers >= 1 (it compiles ahead, there are no calls)")
     if args.smoke:
         args.layers, args.batches, args.max_len, args.block = shapes_of(args.model, True)[0]["layers"], "1,2", 64, 4
         args.reps, args.prompt_len, args.trace_calls = 2, 8, 2
@@ -405,6 +430,35 @@ class Stepper:
         return lower_step(self.engine, self.batch, self.tier).compile().as_text()
 
 
+def abstract_engine():
+    """Engine whose state is abstract (jax.eval_shape of Engine._init_state: jax.ShapeDtypeStruct leaves,
+    nothing allocated). With abstract target and draft it lowers and compiles its programs
+    (`forced_lowerings`: they read only shapes) but cannot run them (forced_step, decoding)."""
+    import jax
+
+    from jaxspec.engine import Engine
+
+    class AbstractEngine(Engine):
+        def _init_state(self):
+            return jax.eval_shape(super()._init_state)
+
+    return AbstractEngine
+
+
+def concrete_leaves(*trees):
+    """Leaves of `trees` that are not jax.ShapeDtypeStruct (arrays: what --compile-only must not make)."""
+    import jax
+
+    return sum(not isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(trees))
+
+
+def live_array_bytes():
+    """Bytes of the jax arrays alive in this process."""
+    import jax
+
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
 def lower_step(engine, batch, tier):
     """jax.stages.Lowered of the jitted step forced_step(batch, tier) calls."""
     return engine.forced_lowerings(batch, tier)["step"]()
@@ -435,7 +489,7 @@ def time_case(stepper, reps):
 
 def torch_copy_subprocess(args, notes):
     """The torch copy bandwidth measured in its own process (JAX must not hold the GPU meanwhile)."""
-    if args.smoke or args.no_torch_copy or importlib.util.find_spec("torch") is None:
+    if args.smoke or args.no_torch_copy or args.compile_only or importlib.util.find_spec("torch") is None:
         return
     try:
         r = subprocess.run(
@@ -463,6 +517,13 @@ def main(args):
 
     from jaxspec.engine import Engine
 
+    if args.compile_only:
+        Engine = abstract_engine()  # the engines' state abstract too
+        notes.append(
+            "compile only (--compile-only): weights and state abstract (jax.ShapeDtypeStruct: nothing "
+            "allocated), each program lowered and compiled, none run"
+        )
+
     command = " ".join(
         shlex.quote(a) for a in [os.path.relpath(os.path.abspath(__file__), benchutil.ROOT)] + sys.argv[1:]
     )
@@ -482,6 +543,7 @@ def main(args):
         backend=jax.default_backend(),
         jax=jax.__version__,
         smoke=args.smoke,
+        compile_only=args.compile_only,
         args=vars(args),
         notes=notes,
         compiles=compiles,
@@ -505,29 +567,41 @@ def main(args):
     info["memory"] = mem
     print("\n".join(memory_lines(mem)), flush=True)
 
-    copies = benchutil.copy_bandwidths(args.out)
-    bw_src, bw = benchutil.floor_bandwidth(copies)
-    info.update(copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src)
-    if bw_src != "torch copy":
-        notes.append(
-            f"floors at the {bw_src} bandwidth ({bw / 1e12:.3f} TB/s; no torch copy measured): optimistic for the step"
-        )
-    print(json.dumps(info["copy_TB_per_s"]), flush=True)
+    bw_src = bw = None
+    if not args.compile_only:  # floors only where steps are timed
+        copies = benchutil.copy_bandwidths(args.out)
+        bw_src, bw = benchutil.floor_bandwidth(copies)
+        info.update(copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src)
+        if bw_src != "torch copy":
+            notes.append(
+                f"floors at the {bw_src} bandwidth ({bw / 1e12:.3f} TB/s; no torch copy measured): "
+                "optimistic for the step"
+            )
+        print(json.dumps(info["copy_TB_per_s"]), flush=True)
 
     t = time.perf_counter()
-    target, draft = build(
-        args.layers,
-        args.block,
-        model=args.model,
-        smoke=args.smoke,
-        seed=args.seed,
-        stacked=args.layer_layout == "groups",
-    )
-    jax.block_until_ready((target, draft))
+
+    def models():
+        return build(
+            args.layers,
+            args.block,
+            model=args.model,
+            smoke=args.smoke,
+            seed=args.seed,
+            stacked=args.layer_layout == "groups",
+            fused=not args.separate_projections,
+        )
+
+    if args.compile_only:
+        target, draft = jax.eval_shape(models)  # the same trees, jax.ShapeDtypeStruct leaves
+    else:
+        target, draft = models()
+        jax.block_until_ready((target, draft))
     info["init_s"] = time.perf_counter() - t
+    info["concrete_leaves"] = concrete_leaves(target, draft)  # --compile-only: engines' states added below
     print(
-        f"models initialised in {info['init_s']:.1f} s: target {_nbytes(target.params) / 1e9:.2f} GB, "
-        f"draft {_nbytes(draft.params) / 1e9:.2f} GB",
+        f"models {'built abstract' if args.compile_only else 'initialised'} in {info['init_s']:.1f} s: "
+        f"target {_nbytes(target.params) / 1e9:.2f} GB, draft {_nbytes(draft.params) / 1e9:.2f} GB",
         flush=True,
     )
 
@@ -536,6 +610,7 @@ def main(args):
 
     def dump():
         info["elapsed_s"] = round(time.time() - t_start, 1)
+        info["compile_totals"] = compile_totals(compiles)
         with open(os.path.join(args.out, "real_shape.json"), "w") as f:
             json.dump(dict(info, rows=list(rows.values())), f, indent=1, default=str)
         lines = markdown(info, rows, mem, bw_src, bw)
@@ -620,7 +695,7 @@ def main(args):
             print(f"{name} failed: {e!r}"[:2000], flush=True)
             return None
 
-    def compile_group(b, jobs):
+    def compile_group(b, jobs, group):
         """Precompile a batch's programs (none with --compile-workers 0: each compiles at its first call)."""
         if args.compile_workers < 1 or not jobs:
             return {}
@@ -630,6 +705,7 @@ def main(args):
         compiles.append(
             dict(
                 batch=b,
+                group=group,
                 wall_s=wall,
                 workers=args.compile_workers,
                 programs={k: {kk: vv for kk, vv in v.items() if kk != "compiled"} for k, v in out.items()},
@@ -665,7 +741,11 @@ def main(args):
                 ("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
                 ("static step", lambda: lower_step(static, b, full)),
             ]
-        pre = compile_group(b, jobs)
+        pre = compile_group(b, jobs, "pass 1")
+        if args.compile_only:
+            info["concrete_leaves"] += sum(concrete_leaves(e.state, e.target, e.proposer) for e in (none, static) if e)
+            print(compile_line(dump(), b), flush=True)
+            return
         if none is not None and not over_budget():
             rows[b]["none"] = guarded(f"batch {b} none", case, none, b, b, True, False, pre.get("none step", {}))
             print(row_line(dump(), b), flush=True)
@@ -688,7 +768,12 @@ def main(args):
             b,
             [("spec prefill", lambda: lower_prefill(compact, b, args.prompt_len))]
             + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t)) for t in tiers],
+            "pass 2",
         )
+        if args.compile_only:
+            info["concrete_leaves"] += concrete_leaves(compact.state, compact.target, compact.proposer)
+            print(compile_line(dump(), b), flush=True)
+            return
         for tier in tiers:
             if over_budget():
                 break
@@ -706,6 +791,12 @@ def main(args):
             guarded(f"batch {b} {run_pass.__name__}", run_pass, b)  # e.g. out of memory: the next batch goes on
     if over_budget():
         notes.append(f"stopped early: --budget-s {args.budget_s} reached")
+    if args.compile_only:
+        info["live_array_bytes"] = live_array_bytes()  # what this process still holds on its devices
+        stats = dev.memory_stats() or {}  # GPU: the allocator's peak (None on the CPU)
+        info["device_memory"] = {
+            k: stats[k] for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats
+        }
     lines = dump()
     print("\n".join(lines), flush=True)
     return 0
@@ -713,6 +804,67 @@ def main(args):
 
 def fmt_s(v):
     return "–" if v is None else f"{v:.1f} s"
+
+
+def compile_totals(compiles):
+    """Sums of the compile groups' seconds: {"by_batch": {batch: {"programs", "lower_s", "compile_s",
+    "wall_s", "errors"}}, and the same over every batch}. lower_s, compile_s: sums over the programs (the compiles of a
+    group overlap in its threads); wall_s: the groups' walls (lowering and compiling)."""
+
+    def total(groups):
+        progs = [p for g in groups for p in g["programs"].values()]
+        return dict(
+            programs=len(progs),
+            lower_s=sum(p.get("lower_s") or 0.0 for p in progs),
+            compile_s=sum(p.get("compile_s") or 0.0 for p in progs),
+            wall_s=sum(g["wall_s"] for g in groups),
+            errors=sum("error" in p for p in progs),
+        )
+
+    batches = sorted({g["batch"] for g in compiles})
+    return dict(total(compiles), by_batch={b: total([g for g in compiles if g["batch"] == b]) for b in batches})
+
+
+def compile_line(lines, b):
+    """The compile table's total row of batch b."""
+    return next((ln for ln in reversed(lines) if ln.startswith(f"| {b} | total |")), "")
+
+
+def compile_lines(info):
+    """--compile-only's table: each program's lower and compile seconds per batch and compile group, the
+    batch's totals, and the overall total."""
+    fmt = lambda v: "–" if v is None else f"{v:.1f}"
+    lines = [
+        "## compile (s; lower: tracing + lowering to StableHLO, one program after another; compile: XLA, a "
+        f"group's programs in --compile-workers {info['args']['compile_workers']} threads, so they overlap; "
+        "wall: the group's, lowering and compiling; pass 2's spec prefill, where it is pass 1's program, comes "
+        "from jax's caches in about 0 s)",
+        "",
+        "| batch | group | program | lower s | compile s |",
+        "|---|---|---|---|---|",
+    ]
+    totals = info["compile_totals"]
+    for b, tot in totals["by_batch"].items():
+        for g in (g for g in info["compiles"] if g["batch"] == b):
+            for name, p in g["programs"].items():
+                err = f" (failed: {p['error'][:80]})" if "error" in p else ""
+                lines.append(
+                    f"| {b} | {g['group']} | {name}{err} | {fmt(p.get('lower_s'))} | {fmt(p.get('compile_s'))} |"
+                )
+            lines.append(f"| {b} | {g['group']} | wall ({len(g['programs'])} programs) | | {fmt(g['wall_s'])} |")
+        lines.append(
+            f"| {b} | total | {tot['programs']} programs, wall {fmt(tot['wall_s'])} s | {fmt(tot['lower_s'])} "
+            f"| {fmt(tot['compile_s'])} |"
+        )
+    lines += [
+        "",
+        f"overall: {totals['programs']} programs, lower {fmt(totals['lower_s'])} s + compile "
+        f"{fmt(totals['compile_s'])} s (sums), wall {fmt(totals['wall_s'])} s"
+        + (f", {totals['errors']} failed" if totals["errors"] else "")
+        + f"; concrete leaves in the models and states: {info.get('concrete_leaves')}",
+        "",
+    ]
+    return lines
 
 
 def row_line(lines, b):
@@ -725,17 +877,28 @@ def markdown(info, rows, mem, bw_src, bw):
     last row, what the script prints after each case)."""
     fmt = lambda v, d=3: "–" if v is None else f"{v:.{d}f}"
     attn = info["target"]["attn_layers"]
+    compile_only = info.get("compile_only")
     lines = [
-        f"# real-shape engine step, {info['device']} ({info['backend']}), jax {info['jax']}"
-        + (" — SMOKE (CPU, tiny config: no meaning as timings)" if info["smoke"] else ""),
+        f"# real-shape engine step{' compile only' if compile_only else ''}, {info['device']} ({info['backend']}), "
+        f"jax {info['jax']}" + (" — SMOKE (CPU, tiny config: no meaning as timings)" if info["smoke"] else ""),
         "",
         f"command: `{info['command']}`, {info['date']}; target {info['target']['layers']} layers "
         f"({'stacked groups, one scan' if info['args'].get('layer_layout') == 'groups' else 'a list, unrolled'}) "
         f"(attention at {attn[:8]}{'…' if len(attn) > 8 else ''}), draft {info['draft']['layers']} layers, "
-        f"block {info['draft']['block']}, taps {info['draft']['taps']}; floors at {bw_src} {bw / 1e12:.3f} TB/s",
+        f"block {info['draft']['block']}, taps {info['draft']['taps']}"
+        + ("" if compile_only else f"; floors at {bw_src} {bw / 1e12:.3f} TB/s"),
         "",
     ]
     lines += memory_lines(mem) + [""]
+    if compile_only:  # no steps ran: the compile table, the notes
+        lines += compile_lines(info)
+        if "live_array_bytes" in info:
+            lines += [
+                f"live device arrays at the end: {info['live_array_bytes']} bytes; device memory: "
+                f"{info.get('device_memory') or 'no allocator stats'}",
+                "",
+            ]
+        return lines + [f"- {x}" for x in info["notes"]]
     comp = []
     for r in rows.values():
         for name, res in [("none", r["none"]), ("static (full)", r["spec_full"])] + [

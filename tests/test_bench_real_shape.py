@@ -121,6 +121,43 @@ def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
     assert f"## memory at {layers} layers" in md
 
 
+def test_smoke_compile_only(tmp_path):
+    """--compile-only: abstract models and states (no concrete leaf, no live array), each batch's programs
+    lowered and compiled with positive seconds (pass 1: the none prefill and step, the spec prefill and the
+    static step; pass 2: the compact steps below the full tier), totals per batch and overall, and no step
+    timed (no timing rows, no floors, no copy bandwidth)."""
+    child.run_smoke("real_shape.py", "--smoke", "--compile-only", "--out", str(tmp_path), timeout=300)
+
+    report = json.loads((tmp_path / "real_shape.json").read_text())
+    assert report["smoke"] and report["compile_only"] and report["backend"] == "cpu"
+    assert report["concrete_leaves"] == 0  # models and engine states: jax.ShapeDtypeStruct leaves only
+    assert report["live_array_bytes"] < sum(report["target"]["params"].values())  # no weights ever on the device
+    assert "copy_TB_per_s" not in report and "floor_bandwidth" not in report
+    rows = {r["batch"]: r for r in report["rows"]}
+    assert sorted(rows) == [1, 2]
+    for b, row in rows.items():
+        assert row["none"] is None and row["spec_full"] is None and row["compact"] == {}, row  # nothing timed
+        groups = {g["group"]: g for g in report["compiles"] if g["batch"] == b}
+        assert sorted(groups) == ["pass 1", "pass 2"]
+        first = groups["pass 1"]["programs"]
+        assert sorted(first) == ["none prefill", "none step", "spec prefill", "static step"]
+        compact = {k: v for k, v in groups["pass 2"]["programs"].items() if k.startswith("compact step ")}
+        assert sorted(int(k.split()[-1]) for k in compact) == row["ladder"][:-1]  # the tiers below the full
+        for name, prog in [*first.items(), *compact.items()]:
+            assert "error" not in prog, (b, name, prog)
+            assert prog["lower_s"] > 0 and prog["compile_s"] > 0, (b, name, prog)
+        tot = report["compile_totals"]["by_batch"][str(b)]
+        assert tot["programs"] == len(first) + len(groups["pass 2"]["programs"]) and tot["errors"] == 0
+        assert tot["compile_s"] >= sum(p["compile_s"] for p in [*first.values(), *compact.values()]) > 0
+    totals = report["compile_totals"]
+    assert totals["programs"] == sum(t["programs"] for t in totals["by_batch"].values())
+    assert math.isclose(totals["lower_s"], sum(t["lower_s"] for t in totals["by_batch"].values()))
+
+    md = (tmp_path / "real_shape.md").read_text()
+    assert "| batch | group | program | lower s | compile s |" in md and "| 2 | total |" in md
+    assert "overall: " in md and "| batch | none ms" not in md  # no steps table
+
+
 def _bench_module():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     spec = importlib.util.spec_from_file_location("real_shape", SCRIPT)
