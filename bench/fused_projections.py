@@ -72,10 +72,13 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--shapes", default="", help="only the SHAPES whose name holds this text (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args(argv)
     rows = []
     for name, (d, widths) in SHAPES.items():
+        if args.shapes not in name:
+            continue
         for batch in (int(b) for b in args.batches.split(",")):
             r = {"shape": name, "batch": batch}
             for form in ("separate", "fused"):
