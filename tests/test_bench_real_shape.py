@@ -217,6 +217,15 @@ def test_kernel_scope_mapping():
     }
     assert [u["kernel"] for u in out["unmapped"]] == ["mystery"] and out["unmapped_ms"] == 1e-3
     assert "hlo_op" in out["stats"] and out["by_kernel"][0]["kernel"] == "nvjet_gemm"  # the longest
+    # every kernel, by time, with the jax op it runs: from its stats, else the HLO metadata of its op
+    assert [(k["kernel"], k["path"]) for k in out["kernels"]] == [
+        ("nvjet_gemm", "jit(_step)/draft/x"),
+        ("ampere_gemm", "jit(_step)/draft/dot_general"),
+        ("verify_kernel", "jit(_step)/verify/pallas_call"),
+        ("loop_fusion_3", ""),
+        ("mystery", ""),
+    ]
+    assert sum(k["ms"] for k in out["kernels"]) == pytest.approx(out["busy_ms"])
     assert rs.map_events([], 1, lambda: HLO) is None
 
 

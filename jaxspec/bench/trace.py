@@ -38,6 +38,16 @@ _CALL_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)
 _OPERAND = re.compile(r"%([\w.\-]+)")
 
 
+def hlo_op_names(text):
+    """{instruction name (and its normalised kernel form): the op_name of its metadata} of an HLO text."""
+    out = {}
+    for line in text.splitlines():
+        m, op = _INST.match(line), _OPNAME.search(line)
+        if m and op:
+            out[m.group(1)] = out[_norm_name(m.group(1))] = op.group(1)
+    return out
+
+
 def hlo_scopes(text):
     """{instruction name: (scope or None, how)} of a compiled HLO module's text. how: "metadata" (the scope
     of the instruction's metadata op_name), "called" (none of its own: the most common scope among the
@@ -185,7 +195,9 @@ def map_events(events, calls, hlo_text_fn):
     """Per-scope time of traced kernel events. hlo_text_fn() gives the compiled step's HLO text; called
     only when some event has no op_name path stat. Returns a dict: busy_ms (summed durations / calls),
     span_ms, by_scope (ms a step), by_source (how each kernel was mapped), by_kernel (top 15 names by time:
-    ms a step, launches a step, scopes), unmapped (first 30), stats (stat names seen), sample (the first 3
+    ms a step, launches a step, scopes), kernels (every kernel name by time: ms and launches a step and
+    the op_name path of its first launch, from the event's stats or the HLO's metadata: which jax op it
+    runs), unmapped (first 30), stats (stat names seen), sample (the first 3
     events' stats), memcpy_ms; None when there is no event."""
     kernels, copies = [], []
     for e in events:
@@ -197,8 +209,11 @@ def map_events(events, calls, hlo_text_fn):
     hlo_error = None
     by_scope, by_source, unmapped, unmapped_ns = collections.Counter(), collections.Counter(), [], 0
     kern_ms, kern_n, kern_scopes = collections.Counter(), collections.Counter(), collections.defaultdict(set)
+    kern_path = {}
     for _start, dur, name, stats, _ in kernels:
         scope, source = None, None
+        if name not in kern_path:
+            kern_path[name] = next((stats[k] for k in PATH_STATS if isinstance(stats.get(k), str)), None)
         if str(stats.get("hlo_op", "")).startswith("command_buffer"):
             # launched from a CUDA graph: the annotation names the graph, not the kernel's own op
             scope, source = "command_buffer", "command_buffer"
@@ -243,6 +258,19 @@ def map_events(events, calls, hlo_text_fn):
         {"kernel": k[:200], "ms": per(v), "launches": kern_n[k] / calls, "scopes": sorted(kern_scopes[k])}
         for k, v in kern_ms.most_common(15)
     ]
+    if any(path is None for path in kern_path.values()):
+        try:
+            op_names = hlo_op_names(hlo_text_fn())
+        except Exception:  # noqa: BLE001 - the list keeps the kernel names
+            op_names = {}
+        for name, stats in ((e[2], e[3]) for e in kernels):
+            if kern_path.get(name) is None:
+                ops = [o for o in re.split(r"[;,\s]+", str(stats.get("hlo_op", ""))) if o] + [name]
+                kern_path[name] = next((op_names[o] for o in ops if o in op_names), None)
+    every = [
+        {"kernel": k[:200], "ms": per(v), "launches": kern_n[k] / calls, "path": (kern_path.get(k) or "")[:200]}
+        for k, v in kern_ms.most_common()
+    ]
     return {
         "busy_ms": per(sum(e[1] for e in kernels)),
         "span_ms": per(end - start),
@@ -250,6 +278,7 @@ def map_events(events, calls, hlo_text_fn):
         "by_scope": {s: per(by_scope[s]) for s in SCOPES + ("command_buffer", "other") if by_scope[s]},
         "by_source": dict(by_source),
         "by_kernel": top,
+        "kernels": every,
         "unmapped": unmapped,
         "unmapped_ms": per(unmapped_ns),
         "stats": stat_names,
