@@ -472,7 +472,8 @@ def _generate(args, parser):
         with parser.blame("--cost-table"):
             cost_table = CostTable.load(args.cost_table)
     with parser.blame("--target"):
-        target = load_target(args.target)
+        # a tensor-parallel split takes the separate projections: loaded so, there is no second copy
+        target = load_target(args.target, fused=args.tp == 1)
         tokenizer = load_tokenizer(args.target)
     with parser.blame("--tp"):
         parallel.check_tp(target.config, args.tp, "")

@@ -268,6 +268,7 @@ def _workload(cfg, args):
         prompt_len=cfg["prompt_len"],
         seed=cfg["seed"],
         smoke=cfg["smoke"],
+        fused=cfg["tp"] == 1,  # a tensor-parallel split takes separate projections: no second copy
     )
 
 

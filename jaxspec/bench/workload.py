@@ -48,15 +48,16 @@ def tiny(target_dir, draft_dir, *, count, prompt_len, seed) -> Workload:
     return Workload("tiny", target, draft, prompts, "float32", False, info)
 
 
-def real_shape(layers, block, *, count, prompt_len, seed, model="qwen3.5-27b", smoke=False) -> Workload:
+def real_shape(layers, block, *, count, prompt_len, seed, model="qwen3.5-27b", smoke=False, fused=True) -> Workload:
     """The `model`-shaped target (`shapes.MODELS`) cut to `layers` layers and its 5-layer DFlash draft
-    of block `block` (`shapes.build`, random bf16 weights; SMOKE shapes with smoke=True) on random ids."""
+    of block `block` (`shapes.build`, random bf16 weights; SMOKE shapes with smoke=True; fused
+    same-input projections unless fused=False) on random ids."""
     import jax
 
     from jaxspec.bench import shapes
     from jaxspec.bench.prompts import random_prompts
 
-    target, draft = shapes.build(layers, block, model=model, smoke=smoke, seed=seed)
+    target, draft = shapes.build(layers, block, model=model, smoke=smoke, seed=seed, fused=fused)
     jax.block_until_ready((target, draft))
     tc = target.config
     prompts = random_prompts(count, prompt_len, tc.vocab_size, seed)
