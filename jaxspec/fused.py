@@ -20,6 +20,8 @@ fuses by default, `init_target` on request. A tensor-parallel split (jaxspec.par
 checkpoint writers take the separate form (`unfuse_projections`).
 """
 
+import itertools
+
 import jax.numpy as jnp
 
 from jaxspec.config import TargetConfig
@@ -47,8 +49,7 @@ def fused_widths(sublayer: str, p: dict, config: TargetConfig) -> tuple[int, ...
     if sublayer == "mlp":
         return mlp_widths(p)
     if sublayer == "moe":
-        inter = p["shared"]["down"].shape[-2]
-        return (p["gate_up"].shape[-3], 1, inter, inter)
+        return moe_widths(p)
     raise ValueError(f"sublayer: {sublayer!r} is not one of {tuple(PARTS)}")
 
 
@@ -57,13 +58,16 @@ def mlp_widths(p: dict) -> tuple[int, int]:
     return (p["down"].shape[-2],) * 2
 
 
+def moe_widths(p: dict) -> tuple[int, int, int, int]:
+    """(E, 1, Is, Is) of a MoE block's in_proj, from its routed gate_up [..., E, d, 2Ie] and its
+    shared expert's down [..., Is, d]."""
+    inter = p["shared"]["down"].shape[-2]
+    return (p["gate_up"].shape[-3], 1, inter, inter)
+
+
 def split_columns(y, sizes):
     """y [..., sum(sizes)] -> the parts [..., size] in order."""
-    cuts, at = [], 0
-    for size in sizes[:-1]:
-        at += size
-        cuts.append(at)
-    return jnp.split(y, cuts, axis=-1)
+    return jnp.split(y, list(itertools.accumulate(sizes[:-1])), axis=-1)
 
 
 def _get(p, path):
@@ -108,10 +112,16 @@ def _map_layers(params: dict, fn) -> dict:
     return params
 
 
+def fuse_layer(layer: dict) -> dict:
+    """One layer's (or stacked group position's) params with its same-input projections
+    concatenated (module doc); fused sublayers come back as they are."""
+    return {k: _fuse_sublayer(k, v) if k in PARTS else v for k, v in layer.items()}
+
+
 def fuse_params(params: dict) -> dict:
-    """Target params (jaxspec.weights layout: a per-layer list or stacked groups) with every layer's
-    same-input projections concatenated (module doc); fused sublayers come back as they are."""
-    return _map_layers(params, lambda layer: {k: _fuse_sublayer(k, v) if k in PARTS else v for k, v in layer.items()})
+    """Target params (jaxspec.weights layout: a per-layer list or stacked groups) with every layer
+    fused (`fuse_layer`)."""
+    return _map_layers(params, fuse_layer)
 
 
 def unfuse_params(params: dict, config: TargetConfig) -> dict:

@@ -20,7 +20,7 @@ from flax import struct
 
 from jaxspec.cache import CacheState
 from jaxspec.config import TargetConfig
-from jaxspec.fused import fuse_projections, fused_widths, split_columns
+from jaxspec.fused import fuse_layer, fused_widths, split_columns
 from jaxspec.ops import attention, conv, gdn, moe, packing
 from jaxspec.ops.linear import dense, head_logits, swiglu_mlp
 from jaxspec.ops.norms import gated_rms_norm, rms_norm
@@ -87,12 +87,9 @@ def _maybe_fused(target: Target, fuse: bool) -> Target:
     if not fuse:
         return target
     params = dict(target.params)
-    layers = params.pop("layers")
-    target = target.replace(params=params)
-    out = []
+    layers, params["layers"] = params["layers"], []
     while layers:
-        out.append(fuse_projections(target.replace(params={"layers": [layers.pop(0)]})).params["layers"][0])
-    params["layers"] = out
+        params["layers"].append(fuse_layer(layers.pop(0)))
     return target.replace(params=params)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxspec.config import SpecConfig
 from jaxspec.spec import estimator, layout
-from jaxspec.spec.planner import CostTable
+from jaxspec.spec.planner import CostTable, trim_overhead
 from jaxspec.step import DevicePlan
 
 
@@ -109,11 +109,10 @@ class TierPlanner:
             costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
             if self.cost_table is not None and not self.cost_table.is_trivial:
                 for n in range(1, s + 1):
-                    full = self.cost_table.step_time(n, n + n * d)
                     for j, tier in enumerate(self.tier_tokens):
                         if tier >= n:
                             budget = min(tier - n, n * d)
-                            trim = self.spec.plan_overhead * full if budget < n * d else 0.0
+                            trim = trim_overhead(self.cost_table, n, budget, d, self.spec.plan_overhead)
                             costs[n, j] = self.cost_table.step_time(n, n + budget) + trim
             self._costs = (self.cost_table, costs, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
             self._ladders = {}

@@ -11,6 +11,7 @@ not their own: they count under "command_buffer".
 """
 
 import collections
+import functools
 import glob
 import os
 import re
@@ -199,6 +200,7 @@ def map_events(events, calls, hlo_text_fn):
     the op_name path of its first launch, from the event's stats or the HLO's metadata: which jax op it
     runs), unmapped (first 30), stats (stat names seen), sample (the first 3
     events' stats), memcpy_ms; None when there is no event."""
+    hlo_text_fn = functools.cache(hlo_text_fn)  # compiling the step for its text: at most once
     kernels, copies = [], []
     for e in events:
         (copies if is_copy(e) else kernels).append(e)
@@ -258,7 +260,7 @@ def map_events(events, calls, hlo_text_fn):
         {"kernel": k[:200], "ms": per(v), "launches": kern_n[k] / calls, "scopes": sorted(kern_scopes[k])}
         for k, v in kern_ms.most_common(15)
     ]
-    if any(path is None for path in kern_path.values()):
+    if hlo_error is None and any(path is None for path in kern_path.values()):
         try:
             op_names = hlo_op_names(hlo_text_fn())
         except Exception:  # noqa: BLE001 - the list keeps the kernel names

@@ -38,6 +38,7 @@ unselected expert's output) stays in its row; an invalid row's routed output is 
 import jax
 import jax.numpy as jnp
 
+from jaxspec.fused import moe_widths, split_columns
 from jaxspec.ops.dispatch import IMPLS, use_kernel
 from jaxspec.ops.linear import HIGHEST, dense, swiglu_down, swiglu_mlp
 from jaxspec.pallas import expert_matmul as pallas_expert_matmul
@@ -193,10 +194,7 @@ def sparse_moe_block(p, x, valid, *, top_k: int, norm_topk_prob: bool, impl="aut
     lead = x.shape[:-1]
     xf = x.reshape(-1, x.shape[-1])  # [T, d]
     if "in_proj" in p:
-        num_experts, inter = p["gate_up"].shape[0], p["shared"]["down"].shape[0]
-        logits, gate_logit, gate, up = jnp.split(
-            dense(xf, p["in_proj"]), [num_experts, num_experts + 1, num_experts + 1 + inter], axis=-1
-        )
+        logits, gate_logit, gate, up = split_columns(dense(xf, p["in_proj"]), moe_widths(p))
         shared = swiglu_down(gate, up, p["shared"]["down"], x.dtype)
     else:
         logits, gate_logit = dense(xf, p["router"]), dense(xf, p["shared_gate"])

@@ -196,14 +196,22 @@ def choose_budget(
     if cost_table is None or cost_table.is_trivial or b == 0:
         return budgets[-1]
     tau = expected_tokens(survival)
-    full = cost_table.step_time(b, b + b * d)
     best, best_rate = budgets[0], -math.inf
     for n in budgets:
-        cost = cost_table.step_time(b, b + n) + (plan_overhead * full if n < b * d else 0.0)
+        cost = cost_table.step_time(b, b + n) + trim_overhead(cost_table, b, n, d, plan_overhead)
         rate = tau[n] / (cost + overhead)
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def trim_overhead(cost_table: CostTable, rows: int, budget: int, drafts_per_row: int, plan_overhead: float) -> float:
+    """Seconds a step of `rows` requests pays beyond its table time for trimming drafts:
+    plan_overhead x the full block's step time (rows (drafts_per_row + 1) tokens) when budget <
+    rows x drafts_per_row, else 0 (`SpecConfig.plan_overhead`)."""
+    if budget >= rows * drafts_per_row:
+        return 0.0
+    return plan_overhead * cost_table.step_time(rows, rows * (drafts_per_row + 1))
 
 
 def choose_tier(survival, active, costs, tiers, drafts_per_row):

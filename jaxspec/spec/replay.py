@@ -65,9 +65,7 @@ def replay_planner(
         full = n * (p + 1)
         rows["static"].append((n, full, full, int(np.sum(accepted + 1)), cost_table.step_time(n, full)))
         committed = int(np.sum(np.minimum(accepted, lengths) + 1))
-        seconds = cost_table.step_time(n, tier) + (
-            plan_overhead * cost_table.step_time(n, full) if budget < n * p else 0
-        )
+        seconds = cost_table.step_time(n, tier) + planner.trim_overhead(cost_table, int(n), budget, p, plan_overhead)
         rows["compact"].append((n, tier, n + int(lengths.sum()), committed, seconds))
     out = {"steps": len(rows["static"]), "rows": trace.num_rows, **_compare(rows)}
     out["by_batch"] = {}
