@@ -192,7 +192,8 @@ def test_kernel_scope_mapping():
     us = 1000
     events = [  # (start ns, duration ns, kernel name, stats, line)
         (0, 5 * us, "ampere_gemm", {"tf_op": "jit(_step)/draft/dot_general", "hlo_op": "dot.1"}, "Stream #1"),
-        (10 * us, 3 * us, "verify_kernel", {"hlo_op": "custom-call.2", "hlo_module": "jit__step"}, "Stream #1"),
+        # XLA:GPU's tf_op on every kernel: the module, no op path; the HLO metadata gives it
+        (10 * us, 3 * us, "verify_kernel", {"hlo_op": "custom-call.2", "tf_op": "XlaModule:"}, "Stream #1"),
         (20 * us, 2 * us, "loop_fusion_3", {}, "Stream #1"),  # no stats: the kernel name
         (30 * us, 1 * us, "mystery", {"hlo_op": "nowhere.1"}, "Stream #1"),
         (40 * us, 4 * us, "memcpy DtoD", {}, "Stream #2"),

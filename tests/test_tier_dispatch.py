@@ -1,6 +1,7 @@
 """Engine(tier_dispatch="switch"): one compiled step picks the tier on the device (lax.switch over
 the tiers in compact mode) and emits exactly the tokens of the host-chosen tiers."""
 
+import time
 from pathlib import Path
 
 import jax
@@ -196,19 +197,35 @@ def test_full_tier_skips_the_plan(model, table, mode):
 def test_profile_times_steps_back_to_back(model, table, monkeypatch):
     """Engine.profile times `repeats` calls run back to back with one synchronisation at the end
     (the pipelined loop's cost: the larger of the host's dispatch and the device's work), after a
-    compiling call; repeats < 1 is refused by name."""
+    first call, in `rounds` rounds over the tiers in turn, and keeps each entry's least round:
+    a round slowed for every tier (here the first, by 0.2 s a call) does not set the table;
+    repeats or rounds < 1 is refused by name."""
     engine = _engine(model, table, "compact", "host", 4)  # tiers (3, 8, 12)
-    syncs = []
-    real_sync = jax.block_until_ready
+    syncs, order = [], []
+    real_sync, real_forced_step = jax.block_until_ready, engine.forced_step
 
     def counting_sync(x):
         syncs.append(1)
         return real_sync(x)
 
+    def recording_forced_step(batch, tier, **kwargs):
+        order.append(tier)
+        run, slow = real_forced_step(batch, tier, **kwargs), len(order) <= len(engine.tier_tokens)
+
+        def timed_run():
+            if slow:
+                time.sleep(0.2)
+            return run()
+
+        return timed_run
+
     monkeypatch.setattr(jax, "block_until_ready", counting_sync)
-    costs = engine.profile([SLOTS], repeats=3)
+    monkeypatch.setattr(engine, "forced_step", recording_forced_step)
+    costs = engine.profile([SLOTS], repeats=3, rounds=2)
     assert sorted(costs.entries) == [(SLOTS, t) for t in engine.tier_tokens]
-    assert all(seconds > 0 for seconds in costs.entries.values())
-    assert len(syncs) == 2 * len(engine.tier_tokens)  # the compiling call, then one after the repeats
-    with pytest.raises(ValueError, match="repeats"):
-        engine.profile([SLOTS], repeats=0)
+    assert order == list(engine.tier_tokens) * 2  # round 1 over every tier, then round 2
+    assert all(0 < seconds < 0.2 for seconds in costs.entries.values())  # round 2's, not the slowed round 1's
+    assert len(syncs) == 2 * 2 * len(engine.tier_tokens)  # per round: the first call, then one after the repeats
+    for name in ("repeats", "rounds"):
+        with pytest.raises(ValueError, match=name):
+            engine.profile([SLOTS], **{name: 0})

@@ -215,7 +215,8 @@ def map_events(events, calls, hlo_text_fn):
     for _start, dur, name, stats, _ in kernels:
         scope, source = None, None
         if name not in kern_path:
-            kern_path[name] = next((stats[k] for k in PATH_STATS if isinstance(stats.get(k), str)), None)
+            # an op_name path has a "/"; XLA:GPU sets tf_op to the bare "XlaModule:" on every kernel
+            kern_path[name] = next((stats[k] for k in PATH_STATS if "/" in str(stats.get(k, ""))), None)
         if str(stats.get("hlo_op", "")).startswith("command_buffer"):
             # launched from a CUDA graph: the annotation names the graph, not the kernel's own op
             scope, source = "command_buffer", "command_buffer"
