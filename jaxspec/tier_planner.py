@@ -70,6 +70,9 @@ class TierPlanner:
         the step, and a dozen numpy calls cost it ~10% (bench/RESULTS.md)."""
         if not self.plans(old, steps_run):
             return self.tier_tokens[-1]
+        settled = self._ladder(sum(req is not None for req in rows))[3]
+        if settled is not None:  # the full block wins whatever the survivals: none read back
+            return settled
         old_rows, old_survival = old
         old_survival = np.asarray(old_survival).tolist()
         newcomer = [1.0] * (self.window - 1)  # assume acceptance
@@ -80,22 +83,29 @@ class TierPlanner:
                 n += 1
         top = sorted((0.0 if x != x else x for x in flat), reverse=True)  # NaN counts as 0
         tau = list(itertools.accumulate(top, initial=float(n)))  # tau[b]: n + the b largest
-        tiers, budgets, costs = self._ladder(n)
+        tiers, budgets, costs, _ = self._ladder(n)
         rates = [tau[b] / c for b, c in zip(budgets, costs)]
         return tiers[rates.index(max(rates))]
 
     def _ladder(self, n: int):
         """At n active rows, over the tiers holding n rows, smallest first: (the tier each runs,
         its admissible draft budget min(tier - n, n (window - 1)), that budget's cost from
-        `_cost_matrix`), as lists; a budget runs in the smallest tier holding n + budget tokens
-        (`layout.tier_for`)."""
+        `_cost_matrix`), as lists, and the settled tier: the full block's tier where every budget
+        that trims drafts costs strictly more than the full block (its rate tau(b) / c(b) is then
+        below the full block's for any survivals, tau being non-decreasing), else None; a budget
+        runs in the smallest tier holding n + budget tokens (`layout.tier_for`). A table flat
+        within `plan_overhead` settles every n: the host then reads no survivals."""
         costs = self._cost_matrix()[0]
         if n not in self._ladders:
             d = self.window - 1
             j = [j for j, tier in enumerate(self.tier_tokens) if tier >= n]
             budgets = [min(self.tier_tokens[i] - n, n * d) for i in j]
             tiers = [self.tier_tokens[layout.tier_for(n + b, self.tier_tokens)] for b in budgets]
-            self._ladders[n] = (tiers, budgets, [float(c) for c in costs[n, j]])
+            ladder_costs = [float(c) for c in costs[n, j]]
+            full = budgets.index(n * d)
+            trims = [c for b, c in zip(budgets, ladder_costs) if b < n * d]
+            settled = tiers[full] if all(c > ladder_costs[full] for c in trims) else None
+            self._ladders[n] = (tiers, budgets, ladder_costs, settled)
         return self._ladders[n]
 
     def _cost_matrix(self):

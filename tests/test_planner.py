@@ -294,7 +294,7 @@ def test_tier_planner_takes_choose_budgets_tier():
             verify_mode="compact", num_slots=slots, block_size=block, warmup_refits=0, plan_overhead=overhead
         )
         ladder = tiers(slots, block)[0]
-        slope = rng.uniform(0.001, 0.3)
+        slope = float(rng.choice([0.0, 1e-4, rng.uniform(0.001, 0.3)]))  # flat, within plan_overhead, steep
         table = CostTable({(b, t): 1.0 + slope * t for b in range(1, slots + 1) for t in range(1, ladder[-1] + 1)})
         planner = TierPlanner(spec, block, table)
         survival = np.cumprod(rng.uniform(0.2, 1.0, (slots, block - 1)), axis=1).astype(np.float32)
@@ -355,3 +355,34 @@ def test_flat_cost_table_verifies_full_blocks_through_the_tier_planner():
         picks[overhead] = TierPlanner(spec, block, table).choose_tier(rows, (rows, jnp.asarray(survival)), 10**6)
     assert picks[SpecConfig().plan_overhead] == ladder[-1]
     assert picks[0.0] < ladder[-1]
+
+
+class Unreadable:
+    """Survivals the host must not read: converting them fails the test."""
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("the host read survivals it did not need")
+
+
+@pytest.mark.parametrize("active", [1, 5, 16])
+def test_settled_tier_reads_no_survivals(active):
+    """Where every trimmed budget costs more than the full block (a table flat within
+    plan_overhead), the full block wins for any survivals: choose_tier returns its tier without
+    reading them back (each read costs the host loop tens of µs); on a steep table it reads them."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.spec.layout import tier_for
+    from jaxspec.tier_planner import TierPlanner
+
+    slots, block = 16, 8
+    ladder = tiers(slots, block)[0]
+    spec = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block)
+    rows = [object() if i < active else None for i in range(slots)]
+    flat = CostTable({(slots, t): 1e-3 * (1.0 + 0.01 * t / ladder[-1]) for t in ladder})
+    got = TierPlanner(spec, block, flat).choose_tier(rows, (rows, Unreadable()), 10**6)
+    assert got == ladder[tier_for(active * block, ladder)]
+    steep = TierPlanner(spec, block, CostTable({(slots, t): 1e-3 * t for t in ladder}))
+    if active * block <= ladder[0]:  # every tier holds the full block: nothing to choose, nothing read
+        assert steep.choose_tier(rows, (rows, Unreadable()), 10**6) == ladder[0]
+    else:
+        with pytest.raises(AssertionError, match="did not need"):
+            steep.choose_tier(rows, (rows, Unreadable()), 10**6)
