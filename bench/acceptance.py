@@ -16,6 +16,7 @@ Writes DIR/acceptance.json and DIR/acceptance.md.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -52,10 +53,14 @@ def repeat_share(prompt, tokens, accepted, n=REPEAT_NGRAM):
     return repeated, total
 
 
-def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=0, trace_path=None):
+def measure(
+    target, draft, prompts, *, block, temperature, max_new_tokens, seed=0, trace_path=None, top_k=0, top_p=1.0, seeds=1
+):
     """Decode `prompts` in static mode with verify window `block`; returns a dict of the totals.
     trace_path: also save the timed run's estimator trace there (`jaxspec estimator TRACE
-    [--cost-table costs.json]` reads it)."""
+    [--cost-table costs.json]` reads it). top_k / top_p: the requests' sampling (T > 0). seeds: the
+    timed run is repeated with sampling seeds seed .. seed + seeds - 1 (the totals pool them;
+    accept_length_seeds lists each run's accept length: a sampled run's spread)."""
     from jaxspec.config import SpecConfig
     from jaxspec.engine import Engine
     from jaxspec.spec.calibration import TraceRecorder
@@ -63,26 +68,34 @@ def measure(target, draft, prompts, *, block, temperature, max_new_tokens, seed=
     max_len = max(map(len, prompts)) + max_new_tokens + block + 1
     spec = SpecConfig(verify_mode="static", block_size=block, num_slots=len(prompts), max_len=max_len)
     engine = Engine(target, draft, spec, record_trace=trace_path is not None)
-    engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)  # compiles
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    engine.generate(prompts, seed=seed, **sampling)  # compiles
     if trace_path is not None:
-        engine.recorder = TraceRecorder()  # the timed run's steps only
-    start = time.perf_counter()
-    results = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    seconds = time.perf_counter() - start
+        engine.recorder = TraceRecorder()  # the timed runs' steps only
+    results, per_seed, seconds = [], [], 0.0
+    for run_seed in range(seed, seed + seeds):
+        start = time.perf_counter()
+        run = engine.generate(prompts, seed=run_seed, **sampling)
+        seconds += time.perf_counter() - start
+        bad = [r.error for r in run if r.error is not None]
+        if bad:
+            raise RuntimeError(f"a request was refused: {bad[0]}")
+        per_seed.append(sum(len(r.tokens) for r in run) / sum(r.stats["steps"] for r in run))
+        results += run
     if trace_path is not None:
         engine.recorder.save(trace_path)
-    bad = [r.error for r in results if r.error is not None]
-    if bad:
-        raise RuntimeError(f"a request was refused: {bad[0]}")
     tokens = sum(len(r.tokens) for r in results)
     steps = sum(r.stats["steps"] for r in results)
     per_request = [r.stats["accept_length"] for r in results]
     repeated, accepted = map(
-        sum, zip(*(repeat_share(p, r.tokens, r.stats["accepted"]) for p, r in zip(prompts, results)))
+        sum, zip(*(repeat_share(p, r.tokens, r.stats["accepted"]) for p, r in zip(prompts * seeds, results)))
     )
     return {
         "block": block,
         "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "accept_length_seeds": per_seed,
         "requests": len(results),
         "tokens": tokens,
         "steps": steps,
@@ -105,6 +118,11 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, default=0, help="the requests' top-k (0 = off; sampled rows)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top-p (1 = off; sampled rows)")
+    ap.add_argument(
+        "--sample-seeds", type=int, default=1, help="timed runs with seeds seed.. at T > 0 (the spread of sampling)"
+    )
     ap.add_argument("--corpus", help="directory whose *.py files are the corpus (default: the stdlib)")
     ap.add_argument("--traces", action="store_true", help="save each case's trace as DIR/trace_b<block>_T<T>.npz")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out"))
@@ -135,6 +153,9 @@ def main(argv=None):
                 max_new_tokens=args.max_new_tokens,
                 seed=args.seed,
                 trace_path=os.path.join(args.out, f"trace_b{block}_T{temperature:g}.npz") if args.traces else None,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seeds=args.sample_seeds if temperature > 0 else 1,
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -153,15 +174,18 @@ def main(argv=None):
         json.dump({**meta, "rows": rows}, f, indent=1)
     lines = [
         f"{args.prompts} held-out prompts of {args.prompt_len} bytes, {args.max_new_tokens} new tokens each, "
-        f"static verify mode ({meta['device']}).",
+        f"static verify mode ({meta['device']}); sampled rows: top-k {args.top_k}, top-p {args.top_p:g}, "
+        f"{args.sample_seeds} seed(s) (sd = the spread of the runs' accept lengths).",
         "",
-        f"| block | T | acceptance length | min..max per request | accepted drafts in exact {REPEAT_NGRAM}-token "
-        "repeats | tokens/s |",
-        "|---|---|---|---|---|---|",
+        f"| block | T | acceptance length | sd over seeds | min..max per request | accepted drafts in exact "
+        f"{REPEAT_NGRAM}-token repeats | tokens/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['block']} | {r['temperature']:g} | {r['accept_length']:.2f} | {r['accept_length_min']:.2f}.."
-        f"{r['accept_length_max']:.2f} | {100 * r['accepted_in_repeats']:.1f}% | {r['tokens_per_s']:.0f} |"
+        f"| {r['block']} | {r['temperature']:g} | {r['accept_length']:.3f} | "
+        f"{statistics.stdev(r['accept_length_seeds']) if len(r['accept_length_seeds']) > 1 else 0:.3f} | "
+        f"{r['accept_length_min']:.2f}..{r['accept_length_max']:.2f} | {100 * r['accepted_in_repeats']:.1f}% | "
+        f"{r['tokens_per_s']:.0f} |"
         for r in rows
     ]
     with open(os.path.join(args.out, "acceptance.md"), "w") as f:

@@ -146,7 +146,11 @@ def _step(
     with jax.named_scope("draft"):
         draft_logits, proposer_state = proposer.propose(state.proposer, anchors, slots, ctx_len)
         dist = sampling.draft_distribution(draft_logits[:, : t - 1], params.temperature)
-        drafts, q = (dist.argmax, None) if greedy else (sampling.sample_draft(key_draft, dist), dist)
+        if greedy:
+            drafts, q = dist.argmax, None
+        else:  # drawn from the head the target keeps (its top-k / top-p), not from the full softmax
+            q = sampling.processed_draft(draft_logits[:, : t - 1], params, max_top_k, impl=impl)
+            drafts = sampling.sample_draft(key_draft, q)
         # [S]: from the row statistics the distribution already holds (no pass over the logits)
         draft_finite = jnp.all(jnp.isfinite(dist.zmax) & jnp.isfinite(dist.rest), axis=-1)
         live = active & (anchors != NON_FINITE)  # a NON_FINITE anchor: the request already ended

@@ -56,7 +56,13 @@ def test_cpu_run_writes_the_table(tmp_path):
         "--blocks",
         "4",
         "--temperatures",
-        "0",
+        "0,1",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.95",
+        "--sample-seeds",
+        "2",
         "--prompts",
         "2",
         "--prompt-len",
@@ -67,9 +73,14 @@ def test_cpu_run_writes_the_table(tmp_path):
         str(tmp_path),
         timeout=600,
     )
-    (row,) = json.loads((tmp_path / "acceptance.json").read_text())["rows"]
-    assert row["tokens"] == 24 and 1.0 <= row["accept_length"] <= 4.0
-    # every step emits its drafts and one target token; a request's last step may be cut short
-    assert row["tokens"] - row["steps"] <= row["accepted_drafts"] <= row["tokens"] - row["steps"] + 2
-    assert 0.0 <= row["accepted_in_repeats"] <= 1.0
+    greedy, sampled = json.loads((tmp_path / "acceptance.json").read_text())["rows"]
+    assert greedy["tokens"] == 24 and 1.0 <= greedy["accept_length"] <= 4.0 and len(greedy["accept_length_seeds"]) == 1
+    # the sampled row: two timed runs (seeds 0 and 1) pooled, each run's accept length listed
+    assert sampled["tokens"] == 48 and (sampled["top_k"], sampled["top_p"]) == (20, 0.95)
+    assert len(sampled["accept_length_seeds"]) == 2 and all(1.0 <= a <= 4.0 for a in sampled["accept_length_seeds"])
+    for row in (greedy, sampled):
+        # every step emits its drafts and one target token; a request's last step may be cut short
+        cut = row["requests"]
+        assert row["tokens"] - row["steps"] <= row["accepted_drafts"] <= row["tokens"] - row["steps"] + cut
+        assert 0.0 <= row["accepted_in_repeats"] <= 1.0
     assert "exact 16-token repeats" in (tmp_path / "acceptance.md").read_text()

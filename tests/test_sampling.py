@@ -17,6 +17,7 @@ from jaxspec.ops.sampling import (
     draft_distribution,
     greedy_tokens,
     logit_stats,
+    processed_draft,
     sample_draft,
     target_distribution,
 )
@@ -412,19 +413,24 @@ def _accept_rule(rule, keys, probs, ids, drafts, q, nv, temperature):
 RANDOM_CAP = -1
 
 
-@functools.partial(jax.jit, static_argnames=("max_top_k", "greedy_draft"))
-def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, rule, *, max_top_k, greedy_draft):
+@functools.partial(jax.jit, static_argnames=("max_top_k", "greedy_draft", "processed"))
+def _simulate(key, target_tab, draft_tab, params, draft_temp, cap, rule, *, max_top_k, greedy_draft, processed=False):
     """N_SAMPLES independent generations from anchor 0 by speculative decoding; -> first N_TOKENS
     emitted tokens [N, N_TOKENS]. The draft samples autoregressively at draft_temp [N]; greedy_draft
     passes q = None (draft_temp must then be 0). cap (traced int): T-1 = verify every draft, 0..T-2 =
     a fixed cap, RANDOM_CAP = a cap drawn uniformly in 0..T-1 per request per step (drawn from its
     own key, independent of the drafts' values). rule (traced int): the acceptance rule, LIBRARY or
-    one of the test's rules (`_accept_rule`)."""
+    one of the test's rules (`_accept_rule`). processed: the draft draws from its logits under the
+    requests' own processing (`processed_draft`: top-k, temperature, top-p), as the engine does."""
     n = N_SAMPLES
     keys = jax.random.split(key, n)
 
     def draft_step(carry, k):  # k [N] keys, one per request
-        q = draft_distribution(draft_tab[carry], draft_temp)
+        if processed:
+            q = processed_draft(draft_tab[carry][:, None], params, max_top_k)
+            q = jax.tree_util.tree_map(lambda a: a[:, 0], q)
+        else:
+            q = draft_distribution(draft_tab[carry], draft_temp)
         d = sample_draft(k, q)
         return d, (d, q)
 
@@ -481,7 +487,7 @@ CONFIGS = {
 }
 
 
-def _run(name, rule=LIBRARY, seed=0):
+def _run(name, rule=LIBRARY, seed=0, processed=False):
     temperature, top_k, top_p, max_top_k, cap, greedy_draft = CONFIGS[name]
     target_tab, draft_tab = _tables()
     params = SamplingParams.create(N_SAMPLES, temperature, top_k, top_p)
@@ -496,6 +502,7 @@ def _run(name, rule=LIBRARY, seed=0):
         jnp.int32(rule),
         max_top_k=max_top_k,
         greedy_draft=greedy_draft,
+        processed=processed,
     )
     return _pvalues(tokens, _exact_joint(target_tab, temperature, top_k, top_p, max_top_k))
 
@@ -504,6 +511,38 @@ def _run(name, rule=LIBRARY, seed=0):
 def test_speculative_sampling_is_lossless(name):
     pv = _run(name)
     assert min(pv.values()) > 1e-3, pv
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if not c[5]])
+def test_processed_draft_sampling_is_lossless(name):
+    """Drafts drawn from the request's processed draft distribution (the engine's sampled path):
+    the emitted chain still follows the processed target exactly (the acceptance reads q at the
+    drafts and the target's ids from the q they were drawn from), and the test's own rule agrees;
+    test_lossless_harness_detects_a_wrong_rule shows the check's power at this sample size."""
+    pv = _run(name, processed=True)
+    assert min(pv.values()) > 1e-3, pv
+    assert min(_run(name, TEST_RULE, processed=True).values()) > 1e-3
+
+
+def test_processed_draft_probabilities_and_draws():
+    """ProcessedDraft: q at ids equals target_distribution's processing of the draft logits (0 off
+    its pairs); draws follow its probabilities (chi-square) and never leave its pairs."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((6000, 1, V)) * 2.0, jnp.float32)
+    params = SamplingParams.create(6000, 0.8, 5, 0.9)
+    q = processed_draft(logits, params, 8)
+    probs, ids = target_distribution(logits, params, 8)
+    np.testing.assert_array_equal(np.asarray(q.probs), np.asarray(probs))
+    dense = np.asarray(q.prob_at(jnp.broadcast_to(jnp.arange(V), (6000, 1, V))))
+    want = np.zeros((6000, 1, V))
+    np.put_along_axis(want, np.asarray(ids), np.asarray(probs), axis=-1)
+    np.testing.assert_allclose(dense, want, rtol=0, atol=0)
+    row = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a[:1, 0], (6000,) + a.shape[2:]), q)
+    draws = np.asarray(jax.jit(sample_draft)(jax.random.key(4), row))
+    kept = np.asarray(probs[0, 0]) > 0
+    cells = np.asarray(ids[0, 0])[kept]
+    assert set(np.unique(draws)) <= set(cells.tolist())
+    assert chi2_test([(draws == c).sum() for c in cells], np.asarray(probs[0, 0])[kept])[2] > 1e-3
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -9,8 +9,9 @@ one-hot on the argmax (lowest id on ties).
 
 Draft distribution: q = softmax(draft logits / T) is kept as the logits and per-row statistics
 (`DraftDistribution`: argmax, max, tie count, the exp-sum of the rest), two passes over the logits
-that also give the estimator's feature; the draw is a Gumbel-max over the scaled logits and
-acceptance reads q only at the drafted and the target's top-k ids.
+that also give the estimator's feature. The engine draws sampled drafts from the request's processed
+distribution of the draft logits (`ProcessedDraft`: the target's top-k / temperature / top-p
+processing, k_max pairs a row); acceptance reads q only at the drafted and the target's top-k ids.
 
 Acceptance (docs/design.md sections 7, 8): window row t of a verify holds the target distribution after
 [anchor, d_1..d_t]; draft d_{t+1} is judged by row t. Request r verifies its first
@@ -230,8 +231,36 @@ def draft_distribution(draft_logits, temperature):
     return DraftDistribution(draft_logits, t, *logit_stats(scaled_logits(draft_logits, t)))
 
 
-def sample_draft(key, q: DraftDistribution):
-    """Draw one token per row of q.
+@struct.dataclass
+class ProcessedDraft:
+    """The distribution sampled drafts are drawn from: the request's own processing (top-k on the raw
+    draft logits, temperature, top-p: `target_distribution`) applied to the draft logits, as k_max
+    (probability, token id) pairs per row. Drawing from the head the target keeps, not from the full
+    softmax whose tail past the target's top-k / top-p is always rejected, raises the acceptance of
+    truncated sampling; chain rejection sampling stays exact for any q it is given (the ratio and the
+    residual read this q).
+
+    probs [..., k_max] float32 (zeros past a row's cut), ids [..., k_max] int32
+    """
+
+    probs: jnp.ndarray
+    ids: jnp.ndarray
+
+    def prob_at(self, ids):
+        """q at token ids [..., n] int32 -> [..., n] float32 (0 off the row's pairs)."""
+        hit = self.ids[..., None, :] == ids[..., :, None]  # [..., n, k]
+        return jnp.sum(jnp.where(hit, self.probs[..., None, :], 0.0), axis=-1)
+
+
+def processed_draft(draft_logits, params, max_top_k, *, impl="auto") -> ProcessedDraft:
+    """`ProcessedDraft` of draft_logits [B, P, vocab] under the requests' SamplingParams ([B] fields):
+    `target_distribution`'s processing with the same static max_top_k (greedy rows: one-hot on the
+    argmax)."""
+    return ProcessedDraft(*target_distribution(draft_logits, params, max_top_k, impl=impl))
+
+
+def sample_draft(key, q: DraftDistribution | ProcessedDraft):
+    """Draw one token per row of q (a `DraftDistribution` or a `ProcessedDraft`).
 
     key: one PRNG key (typed key or raw uint32 [2]) for the whole q, or a batch of keys whose batch
     shape prefixes q's rows (e.g. keys [B] for q of [B, T-1, vocab] logits: one key per request, so
@@ -242,6 +271,9 @@ def sample_draft(key, q: DraftDistribution):
     key_shape = key.shape if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key.shape[:-1]
     if key_shape:
         return jax.vmap(sample_draft)(key, q)
+    if isinstance(q, ProcessedDraft):  # a draw over the row's pairs (zero-probability pairs never)
+        pick = jax.random.categorical(key, jnp.log(q.probs), axis=-1)
+        return jnp.take_along_axis(q.ids, pick[..., None], axis=-1)[..., 0].astype(jnp.int32)
     drawn = jax.random.categorical(key, q.scaled(), axis=-1).astype(jnp.int32)
     return jnp.where(q.temperature > 0, drawn, q.argmax)
 
