@@ -585,7 +585,7 @@ class Engine:
         for i in range(0, n + pad, per):
             part = slice(i, i + per)
             # numpy straight into the jitted call: its C++ path moves them in one go, where
-            # jnp.asarray / SamplingParams.create would dispatch ~10 eager ops (~2 ms a prefill)
+            # jnp.asarray / SamplingParams.create would dispatch ~10 eager ops, each on its own
             params = SamplingParams(temperature=temperature[part], top_k=top_k[part], top_p=top_p[part])
             self.state, first = self._prefill(
                 self.state, self.target, self.proposer, tokens[part], lengths[part], slots[part], keys[part], params

@@ -70,20 +70,19 @@ class TierPlanner:
         the step, and a dozen numpy calls cost it ~10% (bench/RESULTS.md)."""
         if not self.plans(old, steps_run):
             return self.tier_tokens[-1]
-        settled = self._ladder(sum(req is not None for req in rows))[3]
+        n = sum(req is not None for req in rows)
+        tiers, budgets, costs, settled = self._ladder(n)
         if settled is not None:  # the full block wins whatever the survivals: none read back
             return settled
         old_rows, old_survival = old
         old_survival = np.asarray(old_survival).tolist()
         newcomer = [1.0] * (self.window - 1)  # assume acceptance
-        flat, n = [], 0
+        flat = []
         for i, req in enumerate(rows):
             if req is not None:
                 flat += old_survival[i] if req is old_rows[i] else newcomer
-                n += 1
         top = sorted((0.0 if x != x else x for x in flat), reverse=True)  # NaN counts as 0
         tau = list(itertools.accumulate(top, initial=float(n)))  # tau[b]: n + the b largest
-        tiers, budgets, costs, _ = self._ladder(n)
         rates = [tau[b] / c for b, c in zip(budgets, costs)]
         return tiers[rates.index(max(rates))]
 
