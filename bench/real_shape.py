@@ -165,6 +165,12 @@ def parse(argv=None):
         help="abstract weights and state (jax.eval_shape: nothing allocated): lower and compile each batch's "
         "programs, run none (compile times of a model too large for the device)",
     )
+    ap.add_argument(
+        "--sampled",
+        action="store_true",
+        help="time the steps' sampling variant (greedy=False: target distributions, sampled drafts from the "
+        "processed draft distribution, rejection sampling) instead of the greedy-only one",
+    )
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     if args.compile_only and args.compile_workers < 1:
@@ -376,7 +382,7 @@ class Stepper:
     """Engine.forced_step(batch, tier) that prefills afresh (the prefill compiles once per shape) before the
     slots' max_len runs out: at most (max_len - prompt_len) // window calls fit one prefill."""
 
-    def __init__(self, engine, batch, tier, prompt_len, seed):
+    def __init__(self, engine, batch, tier, prompt_len, seed, greedy=True):
         import jax
 
         self.jax, self.engine, self.batch, self.tier, self.prompt_len, self.seed = (
@@ -387,6 +393,7 @@ class Stepper:
             prompt_len,
             seed,
         )
+        self.greedy = greedy
         if self.capacity() < 1:
             raise ValueError(
                 f"--max-len {engine.spec.max_len}: no step fits after a {prompt_len}-token prompt "
@@ -400,7 +407,9 @@ class Stepper:
         return (self.engine.spec.max_len - self.prompt_len) // self.engine.window
 
     def fresh(self):
-        self.run = self.engine.forced_step(self.batch, self.tier, prompt_len=self.prompt_len, seed=self.seed)
+        self.run = self.engine.forced_step(
+            self.batch, self.tier, prompt_len=self.prompt_len, seed=self.seed, greedy=self.greedy
+        )
         self.jax.block_until_ready(self.engine.state)
         self.calls = 0
 
@@ -427,7 +436,7 @@ class Stepper:
     def hlo_text(self):
         """The compiled HLO text of this step: jax's lowering / compilation caches return the executable the
         calls run (same function, same argument types), so nothing compiles again."""
-        return lower_step(self.engine, self.batch, self.tier).compile().as_text()
+        return lower_step(self.engine, self.batch, self.tier, self.greedy).compile().as_text()
 
 
 def abstract_engine():
@@ -459,9 +468,9 @@ def live_array_bytes():
     return sum(x.nbytes for x in jax.live_arrays())
 
 
-def lower_step(engine, batch, tier):
-    """jax.stages.Lowered of the jitted step forced_step(batch, tier) calls."""
-    return engine.forced_lowerings(batch, tier)["step"]()
+def lower_step(engine, batch, tier, greedy=True):
+    """jax.stages.Lowered of the jitted step forced_step(batch, tier, greedy=greedy) calls."""
+    return engine.forced_lowerings(batch, tier, greedy=greedy)["step"]()
 
 
 def lower_prefill(engine, batch, prompt_len):
@@ -626,7 +635,7 @@ def main(args):
     def case(engine, b, tier, trace, spec, pre):
         """Time one (engine, batch, tier) and, if trace, its GPU breakdown; a result dict. pre: precompile's
         result for this step (its compile time and HLO text), or {}."""
-        stepper = Stepper(engine, b, tier, args.prompt_len, args.seed)
+        stepper = Stepper(engine, b, tier, args.prompt_len, args.seed, greedy=not args.sampled)
         first_s, ms, times, committed = time_case(stepper, args.reps)
         tokens = round(committed) if committed is not None else tier
         ctx = args.prompt_len + tokens / b * (args.reps + 1) / 2  # the mean context of the timed calls
@@ -734,12 +743,12 @@ def main(args):
         if none is not None:
             jobs += [
                 ("none prefill", lambda: lower_prefill(none, b, args.prompt_len)),
-                ("none step", lambda: lower_step(none, b, b)),
+                ("none step", lambda: lower_step(none, b, b, not args.sampled)),
             ]
         if full is not None:
             jobs += [
                 ("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
-                ("static step", lambda: lower_step(static, b, full)),
+                ("static step", lambda: lower_step(static, b, full, not args.sampled)),
             ]
         pre = compile_group(b, jobs, "pass 1")
         if args.compile_only:
@@ -767,7 +776,7 @@ def main(args):
         pre = compile_group(
             b,
             [("spec prefill", lambda: lower_prefill(compact, b, args.prompt_len))]
-            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t)) for t in tiers],
+            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t, not args.sampled)) for t in tiers],
             "pass 2",
         )
         if args.compile_only:
@@ -885,7 +894,8 @@ def markdown(info, rows, mem, bw_src, bw):
         f"command: `{info['command']}`, {info['date']}; target {info['target']['layers']} layers "
         f"({'stacked groups, one scan' if info['args'].get('layer_layout') == 'groups' else 'a list, unrolled'}) "
         f"(attention at {attn[:8]}{'…' if len(attn) > 8 else ''}), draft {info['draft']['layers']} layers, "
-        f"block {info['draft']['block']}, taps {info['draft']['taps']}"
+        f"block {info['draft']['block']}, taps {info['draft']['taps']}, "
+        f"{'sampling' if info['args'].get('sampled') else 'greedy'} steps"
         + ("" if compile_only else f"; floors at {bw_src} {bw / 1e12:.3f} TB/s"),
         "",
     ]

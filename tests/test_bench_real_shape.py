@@ -103,6 +103,7 @@ def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
         assert rows[b]["none"]["tokens_per_step"] == b  # one token a row
         assert rows[b]["spec_full"]["tokens_per_step"] == b * report["draft"]["block"]
         assert {"draft", "verify", "commit"} <= set(rows[b]["spec_full"]["cpu_mapping_check"]["by_scope"])
+        assert not any("gumbel" in k["path"] for k in rows[b]["spec_full"]["cpu_mapping_check"]["kernels"])
         assert row["compact"], row  # the tiers below the full block
         for tier, res in row["compact"].items():
             assert res["ms"] > 0 and res["tokens_per_step"] == int(tier)  # forced acceptance: tier tokens
@@ -119,6 +120,19 @@ def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
     table = md[md.index("| batch | none ms") :].splitlines()
     assert [ln.split("|")[1].strip() for ln in table[2:4]] == ["1", "2"]
     assert f"## memory at {layers} layers" in md
+
+
+def test_smoke_sampled_times_the_sampling_step(tmp_path):
+    """--sampled: the timed spec step is the sampling variant (draws drafts: Gumbel noise in the draft scope)."""
+    child.run_smoke(
+        "real_shape.py", "--smoke", "--sampled", "--modes", "spec", "--tiers", "-1", "--out", str(tmp_path), timeout=600
+    )
+    report = json.loads((tmp_path / "real_shape.json").read_text())
+    assert report["args"]["sampled"]
+    for row in report["rows"]:
+        kernels = row["spec_full"]["cpu_mapping_check"]["kernels"]
+        assert any("draft/" in k["path"] and "gumbel" in k["path"] for k in kernels), kernels
+    assert "sampling steps" in (tmp_path / "real_shape.md").read_text()
 
 
 def test_smoke_compile_only(tmp_path):
