@@ -91,6 +91,23 @@ def test_replay_matches_the_oracle(per_token, plan_overhead):
     assert sum(r["steps"] for r in got["by_batch"].values()) == 6 and sorted(got["by_batch"]) == [1, 3, 5, 16]
 
 
+def test_pooled_high_concurrency_row_sums_its_batches():
+    """ "at_least" pools the steps of >= min_batch rows: its totals are the sums of those batches' totals."""
+    trace, table = _trace(7), _table(1e-2, fixed=1e-4)
+    got = replay.replay_planner(trace, table, min_batch=5)
+    pooled, parts = got["at_least"], [got["by_batch"][n] for n in (5, 16)]
+    assert pooled["min_batch"] == 5 and pooled["steps"] == sum(p["steps"] for p in parts) == 4
+    for mode in ("static", "compact"):
+        for key in ("verified", "committed"):
+            assert pooled[mode][key] == sum(p[mode][key] for p in parts), (mode, key)
+        rows = sum(p[mode]["committed"] / p[mode]["accept_length"] for p in parts)
+        assert pooled[mode]["accept_length"] == pytest.approx(pooled[mode]["committed"] / rows, rel=1e-12)
+    assert pooled["verified_saving"] == pytest.approx(1 - pooled["compact"]["verified"] / pooled["static"]["verified"])
+    assert pooled["verified_saving"] > 0.0  # dear tokens: compact trims at high concurrency
+    assert replay.replay_planner(trace, table, min_batch=17)["at_least"] is None
+    assert ">=5 " in replay.format_replay(got)
+
+
 def test_dear_tokens_trim_and_free_tokens_do_not():
     """When a verified token costs nothing beyond the step, compact verifies every block (same as
     static); when it dominates the step, compact verifies fewer tokens and loses some acceptance."""

@@ -35,7 +35,13 @@ from jaxspec.spec.planner import CostTable
 
 
 def replay_planner(
-    trace: Trace, cost_table: CostTable, *, num_tiers: int = 4, plan_overhead: float = PLAN_OVERHEAD, state=None
+    trace: Trace,
+    cost_table: CostTable,
+    *,
+    num_tiers: int = 4,
+    plan_overhead: float = PLAN_OVERHEAD,
+    state=None,
+    min_batch: int = 16,
 ) -> dict:
     """Compact against static on `trace` (rows grouped into steps by `trace.step`). plan_overhead:
     the engine's `SpecConfig.plan_overhead`, which a trimmed step also pays in the reported seconds.
@@ -43,7 +49,9 @@ def replay_planner(
     Returns {"steps", "rows", "static": totals, "compact": totals, "verified_saving" (1 - compact /
     static verified tokens), "accept_length_loss" (1 - compact / static accept length),
     "speedup" (compact / static committed tokens per second of the table), "by_batch": {n: the
-    same for steps of n rows}}; totals = {"verified" (tokens the verify runs: the tier),
+    same for steps of n rows}, "at_least": the same pooled over the steps of >= min_batch rows
+    (high concurrency, where verified tokens cost) with its "min_batch", or None without such
+    steps}; totals = {"verified" (tokens the verify runs: the tier),
     "useful" (anchors + verified drafts), "committed", "seconds", "accept_length"}.
     """
     if trace.step is None:
@@ -72,6 +80,10 @@ def replay_planner(
     for n in sorted({r[0] for r in rows["static"]}):
         pick = {mode: [r for r in rs if r[0] == n] for mode, rs in rows.items()}
         out["by_batch"][int(n)] = {"steps": len(pick["static"]), **_compare(pick)}
+    pick = {mode: [r for r in rs if r[0] >= min_batch] for mode, rs in rows.items()}
+    out["at_least"] = (
+        {"min_batch": int(min_batch), "steps": len(pick["static"]), **_compare(pick)} if pick["static"] else None
+    )
     return out
 
 
@@ -104,6 +116,8 @@ def format_replay(result: dict) -> str:
         f"{'accept static':>13} {'compact':>8} {'loss':>6} {'speed-up':>8}",
     ]
     entries = [(str(n), r) for n, r in result["by_batch"].items()] + [("all", result)]
+    if result.get("at_least") is not None:
+        entries.append((f">={result['at_least']['min_batch']}", result["at_least"]))
     for name, r in entries:
         s, c = r["static"], r["compact"]
         lines.append(
