@@ -617,11 +617,12 @@ class Engine:
         )
         self._steps_run += 1
         # start the device-to-host copies now: by the time the host reads them (next turn; the
-        # survivals `lag` steps later, only where the host plans) they are there, no round trip
+        # survivals `lag` steps later, only where the host plans and some row count's tier is not
+        # settled) they are there, no round trip
         readout.copy_to_host_async()
         if tier is None:
             used.copy_to_host_async()
-        elif self._plans_on_host:
+        elif self._plans_on_host and self.tier_planner.reads_survivals():
             survival.copy_to_host_async()
         self._history.append((rows, survival))
         if self.recorder is not None:
