@@ -38,7 +38,7 @@ from jaxspec.proposer import DFlashProposer
 from jaxspec.spec import estimator
 from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
-from jaxspec.step import NON_FINITE, EngineState, jitted_prefill, jitted_step
+from jaxspec.step import NON_FINITE, EngineState, jitted_prefill, jitted_step, split_readout
 from jaxspec.target import Target
 from jaxspec.tier_planner import TierPlanner
 
@@ -242,8 +242,9 @@ class Engine:
 
     def forced_step(self, batch, tier, *, prompt_len=8, seed=0, greedy=True, switch=False):
         """A callable that runs one jitted step at (batch, tier) with forced acceptance (every
-        verified draft accepted; mode none: one token) and returns (the step's readout [S, T + 2]
-        int32: emitted tokens [S, T], then accepted and verified counts (`step.readout`); the tier
+        verified draft accepted; mode none: one token) and returns (the step's readout int32:
+        emitted tokens [S, T], accepted and verified counts, survival bits (`step.readout`,
+        `step.split_readout`); the tier
         tokens the step ran: int32 []).
 
         The engine must be idle; its state is reset and `batch` random prompts of `prompt_len`
@@ -616,28 +617,29 @@ class Engine:
             **self._simulate,
         )
         self._steps_run += 1
-        # start the device-to-host copies now: by the time the host reads them (next turn; the
-        # survivals `lag` steps later, only where the host plans and some row count's tier is not
-        # settled) they are there, no round trip
+        # start the device-to-host copies now: by the time the host reads them (next turn) they
+        # are there, no round trip. The readout carries the survivals too: `_read` puts their
+        # host copy in this step's history entry, which the tier choice `lag` steps later reads
         readout.copy_to_host_async()
         if tier is None:
             used.copy_to_host_async()
-        elif self._plans_on_host and self.tier_planner.reads_survivals():
-            survival.copy_to_host_async()
-        self._history.append((rows, survival))
+        entry = [rows, survival]  # (rows, survivals): on the device until read, for a DevicePlan
+        self._history.append(entry)
         if self.recorder is not None:
+            t = self.window
             self.recorder.add(
-                features, readout[:, -1], readout[:, -2], temperature, [-1 if r is None else r.id for r in rows]
+                features, readout[:, t + 1], readout[:, t], temperature, [-1 if r is None else r.id for r in rows]
             )
-        return rows, readout, used if tier is None else tier
+        return rows, readout, used if tier is None else tier, entry
 
     def _read(self, in_flight):
         """Read a dispatched step's tokens and emit them to their requests (rows of requests that
         finished meanwhile are discarded)."""
-        rows, readout, step_tier = in_flight
+        rows, readout, step_tier, entry = in_flight
         self.tier_counts[int(step_tier)] += 1
-        readout = np.asarray(readout)
-        emitted, accepted, verified = readout[:, :-2], readout[:, -2], readout[:, -1]
+        emitted, accepted, verified, survival = split_readout(readout, self.window)
+        if self._plans_on_host:
+            entry[1] = survival  # the host's tier choice reads these numpy survivals, no transfer
         live = [row for row, req in enumerate(rows) if req is not None]
         self.totals.update(
             steps=1, rows=len(live), verified=int(sum(verified[row] + 1 for row in live)), tier_tokens=int(step_tier)

@@ -10,10 +10,10 @@ The contract. Layouts: S1 = num_slots + 1 slots, slot 0 the null slot; S rows a 
 R rows and P (padded) prompt positions a prefill; T = window (anchor + drafts). The step never
 recompiles for a new mix of requests: slot occupancy is data (inactive rows point at slot 0).
 - step, `jitted_step(window, mode, max_top_k, impl, tiers, switch)(state, target, proposer,
-  slots [S], plan, force_accept, *, greedy, tier, simulate=None)` -> (state, readout [S, T + 2]
-  int32 = emitted [S, T] | accepted [S] | verified [S] (`readout`), features [S, T-1], survival
-  [S, T-1], tier tokens []); see `_step` (mode "none": `_decode`, whose features and survival are
-  None).
+  slots [S], plan, force_accept, *, greedy, tier, simulate=None)` -> (state, readout [S, 2T + 1]
+  int32 = emitted [S, T] | accepted [S] | verified [S] | survival [S, T-1] as float32 bits
+  (`readout`, `split_readout`), features [S, T-1], survival [S, T-1], tier tokens []); see `_step`
+  (mode "none": `_decode`, whose features and survival are None and whose readout is [S, T + 2]).
 - prefill, `jitted_prefill(max_top_k, impl)(state, target, proposer, tokens [R, P], lengths [R],
   slots [R], keys [R, 2], params)` -> (state, first generated token [R]); see `_prefill`. One
   compiled prefill per prompt-length bucket (and row count) the host pads to.
@@ -28,6 +28,7 @@ from functools import cache, partial, wraps
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec import parallel
@@ -303,21 +304,35 @@ def jitted_step(window, mode, max_top_k, impl, tiers, switch):
 
 
 def _with_readout(step):
-    """`step` returning (state, readout [S, T + 2] int32 = emitted tokens | accepted | verified,
-    features, survival, tier tokens): what the host reads of every step in one transfer (on a
-    launch-bound step each device-to-host copy is ~15-25 µs of host time)."""
+    """`step` returning (state, readout int32 = emitted tokens | accepted | verified | survival
+    bits, features, survival, tier tokens): what the host reads of every step in one transfer (on
+    a launch-bound step each device-to-host copy, or each conversion of a jax array to numpy, is
+    tens of µs of host time); the survivals ride along for the host's tier choice `lag` steps
+    later."""
 
     @wraps(step)
     def run(*args, **kwargs):
         state, emitted, accepted, verified, features, survival, used = step(*args, **kwargs)
-        return state, readout(emitted, accepted, verified), features, survival, used
+        return state, readout(emitted, accepted, verified, survival), features, survival, used
 
     return run
 
 
-def readout(emitted, accepted, verified):
-    """[S, T + 2] int32: emitted [S, T], accepted [S], verified [S] side by side (`_with_readout`)."""
-    return jnp.concatenate([emitted, accepted[:, None], verified[:, None]], axis=1).astype(jnp.int32)
+def readout(emitted, accepted, verified, survival=None):
+    """int32 [S, T + 2] = emitted [S, T] | accepted [S] | verified [S] side by side
+    (`_with_readout`), then, given survival float32 [S, T - 1], its bits (bitcast): [S, 2T + 1]."""
+    parts = [emitted, accepted[:, None], verified[:, None]]
+    if survival is not None:
+        parts.append(jax.lax.bitcast_convert_type(survival.astype(jnp.float32), jnp.int32))
+    return jnp.concatenate([x.astype(jnp.int32) for x in parts], axis=1)
+
+
+def split_readout(readout, window):
+    """A step's readout as numpy, split: (emitted [S, T], accepted [S], verified [S], survival
+    float32 [S, T - 1] or None where the readout carries none (mode none)); T = window."""
+    readout = np.asarray(readout)
+    survival = readout[:, window + 2 :].view(np.float32) if readout.shape[1] > window + 2 else None
+    return readout[:, :window], readout[:, window], readout[:, window + 1], survival
 
 
 @cache

@@ -38,7 +38,6 @@ class TierPlanner:
         self.spec, self.window, self.cost_table = spec, window, cost_table
         self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
         self._costs, self._ladders = None, {}  # (cost table, *`_cost_matrix`), {n: `_ladder(n)`}
-        self._reads = None  # (cost table, `reads_survivals()`)
 
     @functools.cached_property
     def warmup_steps(self) -> int:
@@ -86,19 +85,6 @@ class TierPlanner:
         tau = list(itertools.accumulate(top, initial=float(n)))  # tau[b]: n + the b largest
         rates = [tau[b] / c for b, c in zip(budgets, costs)]
         return tiers[rates.index(max(rates))]
-
-    def reads_survivals(self) -> bool:
-        """Whether `choose_tier` can read survivals back under the current cost table: some count
-        of active rows has no settled tier (`_ladder`). False without a profiled table, in modes
-        none and static, and on a table flat within plan_overhead (a host-bound step): the engine
-        then starts no survival copy (a device-to-host transfer a step that nothing reads)."""
-        table = self.cost_table
-        if self.spec.verify_mode in ("none", "static") or table is None or table.is_trivial:
-            return False
-        if self._reads is None or self._reads[0] is not table:
-            unsettled = any(self._ladder(n)[3] is None for n in range(1, self.spec.num_slots + 1))
-            self._reads = (table, unsettled)
-        return self._reads[1]
 
     def _ladder(self, n: int):
         """At n active rows, over the tiers holding n rows, smallest first: (the tier each runs,

@@ -15,6 +15,7 @@ from jaxspec import step as step_mod
 from jaxspec.cache import cache_nbytes
 from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
+from jaxspec.spec.planner import CostTable
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
 MAX_NEW = 24
@@ -366,3 +367,55 @@ def test_stats_label_compilation(model, prompts):
         step_mod.jitted_prefill.cache_clear()
     assert [r.stats["includes_compilation"] for r in first] == [True, True]
     assert [r.stats["includes_compilation"] for r in second] == [False, False]
+
+
+def test_readout_carries_the_survivals_bit_for_bit():
+    """The step's one int32 readout holds emitted | accepted | verified | the survivals' float32
+    bits; split_readout gives them back exactly (NaN, -0.0, subnormals included); mode none's
+    readout has no survival columns."""
+    rng = np.random.default_rng(11)
+    s, t = 5, 7
+    emitted = rng.integers(-1, 600, (s, t)).astype(np.int32)
+    accepted, verified = rng.integers(0, t, s).astype(np.int32), rng.integers(0, t, s).astype(np.int32)
+    survival = rng.uniform(0, 1, (s, t - 1)).astype(np.float32)
+    survival[0, :4] = [np.nan, -0.0, np.float32(1e-40), 1.0]
+    packed = np.asarray(step_mod.readout(emitted, accepted, verified, survival))
+    assert packed.dtype == np.int32 and packed.shape == (s, 2 * t + 1)
+    got = step_mod.split_readout(packed, t)
+    for want, have in zip((emitted, accepted, verified), got[:3]):
+        np.testing.assert_array_equal(have, want)
+    np.testing.assert_array_equal(got[3].view(np.int32), survival.view(np.int32))
+    plain = np.asarray(step_mod.readout(emitted[:, :1], accepted, verified))
+    assert plain.shape == (s, 3) and step_mod.split_readout(plain, 1)[3] is None
+
+
+def test_host_tier_choice_reads_the_steps_survivals_from_its_readout(model, prompts, reference):
+    """Compact with host tier choice (lag 2): each choice reads numpy survivals, bit-identical to
+    the device survivals of the step `lag` back (they arrive in that step's readout, no transfer
+    of their own), and decoding stays lossless."""
+    spec = SpecConfig(verify_mode="compact", num_slots=3, max_len=96, warmup_refits=0, plan_overhead=0.0)
+    assert spec.lag == 2
+    tiers = Engine(model, random_draft(model, 6), spec).tier_tokens
+    table = {(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, 4) for n in range(1, tiers[-1] + 1)}
+    engine = Engine(model, random_draft(model, 6), spec, cost_table=CostTable(table))
+    device, seen = [], []
+    step, choose = engine._step, engine.tier_planner.choose_tier
+
+    def spy_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        device.append(np.asarray(out[3]))
+        return out
+
+    def spy_choose(rows, old, steps_run):
+        if old is not None:
+            seen.append((len(device), old[1]))
+        return choose(rows, old, steps_run)
+
+    spy_step._cache_size = step._cache_size  # the engine counts its compiled programs
+    engine._step, engine.tier_planner.choose_tier = spy_step, spy_choose
+    results = engine.generate(prompts, max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in results] == reference
+    assert len(seen) > 5
+    for k, survival in seen:  # the choice for step k reads step k - 2's survivals
+        assert isinstance(survival, np.ndarray) and survival.dtype == np.float32
+        np.testing.assert_array_equal(survival.view(np.int32), device[k - 2].view(np.int32))

@@ -386,31 +386,3 @@ def test_settled_tier_reads_no_survivals(active):
     else:
         with pytest.raises(AssertionError, match="did not need"):
             steep.choose_tier(rows, (rows, Unreadable()), 10**6)
-
-
-def test_reads_survivals_only_where_a_row_count_is_unsettled():
-    """The engine copies survivals to the host only if choose_tier can read them: False without a
-    table, in static mode and on a table flat within plan_overhead (every row count settled; checked
-    against choose_tier with survivals that fail when read, at every count); True on a steep table,
-    and again False once the table is replaced by a flat one."""
-    from jaxspec.config import SpecConfig
-    from jaxspec.tier_planner import TierPlanner
-
-    slots, block = 6, 8
-    ladder = tiers(slots, block)[0]
-    flat = CostTable({(slots, t): 1e-3 * (1.0 + 0.01 * t / ladder[-1]) for t in ladder})
-    steep = CostTable({(slots, t): 1e-3 * t for t in ladder})
-    compact = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block)
-    assert not TierPlanner(compact, block, None).reads_survivals()
-    assert not TierPlanner(
-        SpecConfig(verify_mode="static", num_slots=slots, block_size=block), block, steep
-    ).reads_survivals()
-    planner = TierPlanner(compact, block, flat)
-    assert not planner.reads_survivals()
-    for active in range(1, slots + 1):
-        rows = [object() if i < active else None for i in range(slots)]
-        planner.choose_tier(rows, (rows, Unreadable()), 10**6)  # reads nothing
-    planner.cost_table = steep
-    assert planner.reads_survivals()
-    planner.cost_table = flat
-    assert not planner.reads_survivals()
