@@ -614,6 +614,8 @@ def main(args):
         flush=True,
     )
 
+    greedy = not args.sampled  # the steps' variant that every case times and compiles ahead
+
     def over_budget():
         return time.time() - t_start > args.budget_s
 
@@ -635,7 +637,7 @@ def main(args):
     def case(engine, b, tier, trace, spec, pre):
         """Time one (engine, batch, tier) and, if trace, its GPU breakdown; a result dict. pre: precompile's
         result for this step (its compile time and HLO text), or {}."""
-        stepper = Stepper(engine, b, tier, args.prompt_len, args.seed, greedy=not args.sampled)
+        stepper = Stepper(engine, b, tier, args.prompt_len, args.seed, greedy=greedy)
         first_s, ms, times, committed = time_case(stepper, args.reps)
         tokens = round(committed) if committed is not None else tier
         ctx = args.prompt_len + tokens / b * (args.reps + 1) / 2  # the mean context of the timed calls
@@ -743,12 +745,12 @@ def main(args):
         if none is not None:
             jobs += [
                 ("none prefill", lambda: lower_prefill(none, b, args.prompt_len)),
-                ("none step", lambda: lower_step(none, b, b, not args.sampled)),
+                ("none step", lambda: lower_step(none, b, b, greedy)),
             ]
         if full is not None:
             jobs += [
                 ("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
-                ("static step", lambda: lower_step(static, b, full, not args.sampled)),
+                ("static step", lambda: lower_step(static, b, full, greedy)),
             ]
         pre = compile_group(b, jobs, "pass 1")
         if args.compile_only:
@@ -776,7 +778,7 @@ def main(args):
         pre = compile_group(
             b,
             [("spec prefill", lambda: lower_prefill(compact, b, args.prompt_len))]
-            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t, not args.sampled)) for t in tiers],
+            + [(f"compact step {t}", lambda t=t: lower_step(compact, b, t, greedy)) for t in tiers],
             "pass 2",
         )
         if args.compile_only:

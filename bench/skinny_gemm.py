@@ -116,8 +116,9 @@ def main(args):
     fns = dict(mlp=mlp, gdn=gdn, lm_head=head, moe35=moe35)
 
     def float64_out(name, x, params):
-        """The set's function in float64 numpy (the oracle of `rel_err`)."""
-        dot64 = lambda x, w: np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+        """The set's function in float64 numpy (the oracle of `rel_err`); params: the set's weights as
+        float64 numpy."""
+        dot64 = lambda x, w: np.asarray(x, np.float64) @ w
         if name == "mlp":
             g, u = dot64(x, params["gate"]), dot64(x, params["up"])
             return dot64(g / (1 + np.exp(-g)) * u, params["down"])
@@ -139,10 +140,11 @@ def main(args):
             params[k] = (jax.random.normal(sub, (a // scale, b // scale), jnp.float32) * a**-0.5).astype(jnp.bfloat16)
         nbytes = sum(v.size * 2 for v in params.values())
         params_t = {k: jnp.asarray(np.asarray(v).T) for k, v in params.items()}  # stored [N, K]
+        params64 = {k: np.asarray(v.astype(jnp.float32), np.float64) for k, v in params.items()}  # once a set
         for m in map(int, args.rows.split(",")):
             key, sub = jax.random.split(key)
             x = jax.random.normal(sub, (m, HIDDEN[name] // scale), jnp.bfloat16)
-            want = float64_out(name, np.asarray(x.astype(jnp.float32)), params)
+            want = float64_out(name, np.asarray(x.astype(jnp.float32)), params64)
             for vname in args.variants.split(","):
                 fn = jax.jit(lambda x, p, f=fns[name], d=variants[vname]: f(d, x, p))
                 p = params_t if vname in TRANSPOSED else params

@@ -15,6 +15,7 @@ from jaxspec import step as step_mod
 from jaxspec.cache import cache_nbytes
 from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
+from jaxspec.spec import layout
 from jaxspec.spec.planner import CostTable
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-qwen3_5"
@@ -395,7 +396,7 @@ def test_host_tier_choice_reads_the_steps_survivals_from_its_readout(model, prom
     of their own), and decoding stays lossless."""
     spec = SpecConfig(verify_mode="compact", num_slots=3, max_len=96, warmup_refits=0, plan_overhead=0.0)
     assert spec.lag == 2
-    tiers = Engine(model, random_draft(model, 6), spec).tier_tokens
+    tiers, _ = layout.tiers(3, 6)  # the engine's ladder: 3 slots, window 6
     table = {(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, 4) for n in range(1, tiers[-1] + 1)}
     engine = Engine(model, random_draft(model, 6), spec, cost_table=CostTable(table))
     device, seen = [], []
