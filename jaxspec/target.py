@@ -396,10 +396,12 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
     Window token t of request r sits at position seq_len[slot] + t. Writes ring records at
     write_pos + t, the saved conv row and K/V at seq_len + t; never the checkpoint. Padding rows
     (>= query_start_loc[B]) and slot-0 requests write nothing; their logits are garbage-free but
-    meaningless.
+    meaningless. With fold policy `every` the ring holds no live record between steps (prefill and
+    every commit leave write_pos at 0), so the windows start from the checkpoint alone.
     """
     params, cfg = target.params, target.config
     t_max = cache.config.window
+    ring_empty = cache.config.fold_policy == "every"
     period = layer_period(cfg)
     kinds, rank, num_gdn, num_attn = _group_layout(cfg, period)
     n_taps, write_tap = _tap_writer(taps, cfg.num_hidden_layers, period)
@@ -443,6 +445,7 @@ def verify(target: Target, cache: CacheState, tokens, query_start_loc, slots, ta
                         slots,
                         t_max,
                         layer=gi,
+                        ring_empty=ring_empty,
                         impl=impl,
                     )
                     return _gdn_out(p, cfg, o, z, xn.dtype)
@@ -492,7 +495,8 @@ def commit(cache: CacheState, slots, num_accepted, *, impl="auto"):
     else:
         fold = live + cfg.window > cfg.ring_len
     num_records = jnp.where(fold, live, 0)
-    ckpt = gdn.gdn_fold(cache.ckpt, cache.ring_k, cache.ring_u, cache.ring_g, num_records, impl=impl)
+    bound = cfg.window if cfg.fold_policy == "every" else None  # every: at most one window is live
+    ckpt = gdn.gdn_fold(cache.ckpt, cache.ring_k, cache.ring_u, cache.ring_g, num_records, max_records=bound, impl=impl)
     conv_state = jax.vmap(lambda s, w: conv.conv_commit(s, w, slots, num_accepted, impl=impl))(
         cache.conv_state, cache.conv_window
     )

@@ -180,6 +180,23 @@ def test_gdn_fold(ring, ckpt_dtype, layers):
             oracle.assert_close(out[at], exp, tol, f"ckpt' {at}")
 
 
+@pytest.mark.parametrize("ring", ["f32", "bf16-hilo"], ids=["f32-ring", "hilo-ring"])
+def test_gdn_fold_max_records(ring):
+    """A static bound on the counts (fold policy `every`: at most one window) folds from the first
+    max_records ring positions exactly what the float64 fold of those records gives."""
+    rng = np.random.default_rng(401)
+    ckpt, rk, ru, u_exact, rg = fold_case(rng, ring, 3)
+    bound = 5
+    counts = np.minimum(NUM_RECORDS, bound).astype(np.int32)
+    out = np.asarray(jax.jit(functools.partial(gdn_fold, max_records=bound, impl="ref"))(ckpt, rk, ru, rg, counts))
+    tol = {"f32": TOL, "bf16-hilo": TOL_BF16_RING}[ring]
+    for idx in np.ndindex(ckpt.shape[:-4]):
+        for s, m in enumerate(counts):
+            at = idx + (s,)
+            exp = ckpt[at] if m == 0 else oracle.gdn_fold(ckpt[at], rk[at], u_exact[at], rg[at], m)
+            oracle.assert_close(out[at], exp, tol, f"ckpt' {at} with {m} records")
+
+
 # ------------------------------------------------------------------------------ replay verify
 
 # (slot, window length): slot 0 is a padding request, slot 2 is not in the batch.
@@ -311,11 +328,17 @@ def test_gdn_verify_nan_containment(clean_verify, field, bad):
 CHAIN_T, CHAIN_STEPS = 4, 64
 
 
-@pytest.mark.parametrize("ring,policy", [("f32", "lazy"), ("bf16-hilo", "every")])
-def test_gdn_verify_fold_chained(ring, policy):
+@pytest.mark.parametrize(
+    "ring,policy,promise",
+    [("f32", "lazy", False), ("bf16-hilo", "every", False), ("f32", "every", True), ("bf16-hilo", "every", True)],
+    ids=["f32-lazy", "hilo-every", "f32-every-promised", "hilo-every-promised"],
+)
+def test_gdn_verify_fold_chained(ring, policy, promise):
     """64 verify -> accept -> fold steps for two requests; drafts past the accepted prefix are
     random and sometimes NaN. The committed state (ckpt folded with the live records) must track
-    a float64 recurrence over the accepted tokens, with an error that does not grow."""
+    a float64 recurrence over the accepted tokens, with an error that does not grow. promise:
+    the calls target.verify / commit make under fold policy `every` (the verify reads no ring
+    history, the fold reads one window's positions)."""
     rng = np.random.default_rng(700)
     slots = np.array([1, 2], np.int32)
     ckpt = jnp.asarray(f32(rng.standard_normal((3, HV, K, V)) * 0.5))
@@ -326,7 +349,8 @@ def test_gdn_verify_fold_chained(ring, policy):
         ru = (ru.astype(bf16), ru.astype(bf16))
     rg = jnp.zeros((3, HV, L), jnp.float32)
     write_pos = np.zeros(3, np.int32)
-    verify = jax.jit(lambda *a: gdn_verify(*a, CHAIN_T, impl="ref"))
+    verify = jax.jit(lambda *a: gdn_verify(*a, CHAIN_T, ring_empty=promise, impl="ref"))
+    fold = jax.jit(functools.partial(gdn_fold, max_records=CHAIN_T if promise else None, impl="ref"))
     tol = TOL if ring == "f32" else TOL_BF16_RING
     errs = []
     for step in range(CHAIN_STEPS):
@@ -350,7 +374,7 @@ def test_gdn_verify_fold_chained(ring, policy):
             write_pos[s] += acc[r] + 1
         fold_now = write_pos + 2 * CHAIN_T > L if policy == "lazy" else write_pos > 0
         if fold_now.any():
-            ckpt = _fold(ckpt, rk, ru, rg, np.where(fold_now, write_pos, 0).astype(np.int32))
+            ckpt = fold(ckpt, rk, ru, rg, np.where(fold_now, write_pos, 0).astype(np.int32))
             write_pos = np.where(fold_now, 0, write_pos).astype(np.int32)
         u = np.asarray(ru, np.float64) if ring == "f32" else sum(np.asarray(x, np.float64) for x in ru)
         for s in slots:
