@@ -640,8 +640,8 @@ class Engine:
         emitted, accepted, verified, survival = split_readout(readout, self.window)
         if self._plans_on_host:
             entry[1] = survival  # the host's tier choice reads these numpy survivals, no transfer
-        # Python ints from here: per-row numpy scalar arithmetic cost ~4x as much (at 64 rows ~0.3
-        # ms a turn on a 2-core CPU, where the tiny pair's whole GPU step is ~1-3 ms)
+        # Python ints from here: numpy scalars per row and token cost 1.5-2x as much (at 64 rows
+        # ~0.3-0.5 ms a turn on a 2-core CPU, where the tiny pair's whole GPU step is ~1-3 ms)
         emitted, accepted, verified = emitted.tolist(), accepted.tolist(), verified.tolist()
         live = [row for row, req in enumerate(rows) if req is not None]
         self.totals.update(
