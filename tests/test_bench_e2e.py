@@ -104,6 +104,14 @@ def test_spread_and_not_below():
     assert metrics.not_below(metrics.spread([7.0]), [none])
 
 
+def test_run_order_alternates_so_no_mode_always_follows_another():
+    modes = [("none", None), ("static", None), ("compact", None), ("compact", "acc5")]
+    orders = [level.run_order(modes, rep) for rep in range(4)]
+    assert orders[0] == orders[2] == modes and orders[1] == orders[3] == modes[::-1]
+    followers = {(a, b) for order in orders[:2] for a, b in zip(order, order[1:])}
+    assert not any((b, a) not in followers for a, b in followers)  # each pair runs both ways
+
+
 def test_requests_and_calibrated_settings():
     work = workload.Workload("w", None, None, [[1], [2], [3]], "float32", True, {})
     reqs = workload.requests(work, 50, 9, seed=3)

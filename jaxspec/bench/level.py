@@ -1,6 +1,7 @@
 """One concurrency level of `jaxspec bench`: engines per (mode, acceptance setting), compilation
 ahead of the runs, the compact cost table, warm-up, repeated closed-loop runs, their numbers."""
 
+import gc
 import os
 import time
 
@@ -119,7 +120,7 @@ def _warm_up(engine, reqs, concurrency, sampling):
 
 def run_level(workload, concurrency, cfg, settings, *, device, progress) -> dict:
     """Every (temperature, mode, setting) at one concurrency: `cfg["repeats"]` closed-loop runs of
-    the same requests each, modes interleaved within a repeat. Returns {"level": compile / cost
+    the same requests each, modes interleaved within a repeat (`run_order`). Returns {"level": compile / cost
     table / host share info, "points": one dict per (temperature, mode, setting) with every
     repeat's `metrics.summarise` and the spread of each number, speedups paired by repeat}."""
     from jaxspec.bench.workload import requests as make_requests
@@ -156,8 +157,10 @@ def run_level(workload, concurrency, cfg, settings, *, device, progress) -> dict
         runs = {key: [] for key in engines}
         bar = progress(total=cfg["repeats"] * len(engines) * n, desc=f"c={concurrency} T={temperature:g}")
         for rep in range(cfg["repeats"]):
-            for (mode, setting), engine in engines.items():
+            for mode, setting in run_order(list(engines), rep):
+                engine = engines[(mode, setting)]
                 bar.set_postfix_str(f"{mode}{'' if setting is None else ' ' + setting} rep {rep + 1}")
+                gc.collect()  # no run pays for the garbage of the one before it
                 with compile_mod.counting() as compiles:
                     run = client.closed_loop(
                         engine, reqs, concurrency, sampling=sampling, on_finish=lambda _record: bar.update(1)
@@ -180,6 +183,13 @@ def run_level(workload, concurrency, cfg, settings, *, device, progress) -> dict
     level["tier_ladders"] = {f"{mode} {setting}": list(e.tier_tokens) for (mode, setting), e in engines.items()}
     level["wall_s"] = time.perf_counter() - start
     return {"level": level, "points": points}
+
+
+def run_order(keys: list, rep: int) -> list:
+    """The order of the modes' runs in repeat `rep`: as given in even repeats, reversed in odd
+    ones, so that over two repeats no mode always runs right after another (a drift in the host's
+    or the GPU's speed within a repeat then biases no pair of modes the same way every time)."""
+    return keys if rep % 2 == 0 else keys[::-1]
 
 
 def _points(runs, workload, concurrency, temperature):

@@ -7,7 +7,7 @@ asking for an output length drawn from [--output-len / 2, --output-len]. Every p
 runs is compiled ahead in threads; compact's cost table is profiled at c on this machine
 (`Engine.profile`, as `jaxspec profile`), saved under --cost-tables and reused by later runs.
 Each (temperature, mode, acceptance setting) is warmed up (compact: until the planner is past
-its warm-up steps), then run --repeats times, modes interleaved within a repeat.
+its warm-up steps), then run --repeats times, modes interleaved within a repeat, in reverse order every other repeat.
 
 Workloads: `tiny` (the shipped byte-level target and DFlash draft, held-out stdlib code,
 real acceptance) and `real-shape` (the Qwen3.5-27B-shaped random-weight target cut to --layers
