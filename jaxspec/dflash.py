@@ -203,6 +203,13 @@ def key_values(a, c, x, positions):
     return k, dense(x, a["v"]).reshape(lead + (c.num_key_value_heads, c.head_dim))
 
 
+def shared_head(target: Target) -> Target:
+    """The part of `target` a draft reads: its embedding and (unless tied) lm_head, as a Target
+    with the same config (what `propose` needs, two arrays instead of every layer's)."""
+    params = {k: v for k, v in target.params.items() if k in ("embed", "lm_head")}
+    return Target(params=params, config=target.config, qkv_groups=target.qkv_groups)
+
+
 def propose(draft: Draft, target: Target, state: DraftState, anchors, slots, ctx_len, *, block_size=None, impl="auto"):
     """Draft logits for one block per request.
 

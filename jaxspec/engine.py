@@ -34,7 +34,7 @@ from jaxspec import parallel
 from jaxspec.config import SpecConfig
 from jaxspec.dflash import Draft
 from jaxspec.ops.sampling import SamplingParams
-from jaxspec.proposer import DFlashProposer
+from jaxspec.proposer import DFlashProposer, dflash_proposer
 from jaxspec.spec import estimator
 from jaxspec.spec.calibration import TraceRecorder
 from jaxspec.spec.planner import CostTable
@@ -151,7 +151,7 @@ class Engine:
             if proposer is not None:
                 proposer = parallel.place(proposer, self.mesh)
         if proposer is None and draft is not None:
-            proposer = DFlashProposer(draft, target, impl=impl)
+            proposer = dflash_proposer(draft, target, impl=impl)
         mode = spec.verify_mode
         if mode == "none":
             proposer, window = None, 1

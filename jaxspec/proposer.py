@@ -26,12 +26,21 @@ from jaxspec.dflash import Draft
 from jaxspec.target import Target
 
 
+def dflash_proposer(draft: Draft, target: Target, impl: str = "auto") -> "DFlashProposer":
+    """The DFlash proposer of `draft` over `target`, holding only the weights the two share
+    (`dflash.shared_head`): the step takes the target as its own argument already, and every
+    array of a jit's arguments costs the host ~0.5-2 µs a call (bench/RESULTS.md), which the tiny
+    pair's ~1 ms step pays in full."""
+    return DFlashProposer(draft, dflash.shared_head(target), impl=impl)
+
+
 @struct.dataclass
 class DFlashProposer:
     """DFlash block diffusion: one parallel forward over [anchor, MASK x (B-1)].
 
-    forward_block: None (B = the draft's block) or a shorter B (`SpecConfig.trim_draft`): the
-    forward runs only the positions a shorter verify window reads."""
+    target: the target, or only its shared weights (`dflash_proposer`); forward_block: None (B =
+    the draft's block) or a shorter B (`SpecConfig.trim_draft`): the forward runs only the
+    positions a shorter verify window reads."""
 
     draft: Draft
     target: Target

@@ -75,6 +75,17 @@ def test_engines_with_one_configuration_share_compiled_steps(model, prompts, ref
     assert other._step is not first._step, "a different verify window must not share the step"
 
 
+def test_dflash_proposer_carries_only_the_shared_weights(model):
+    """The step takes the target as an argument; the engine's DFlash proposer holds only the
+    embedding and lm_head it shares (the same arrays), not the target's layers a second time."""
+    draft = random_draft(model, 4)
+    engine = Engine(model, draft, SpecConfig(verify_mode="static", num_slots=2, max_len=96))
+    shared = engine.proposer.target.params
+    assert sorted(shared) == sorted(k for k in ("embed", "lm_head") if k in model.params)
+    assert all(shared[k] is model.params[k] for k in shared)
+    assert len(jax.tree.leaves(engine.proposer)) == len(jax.tree.leaves(draft)) + len(shared)
+
+
 def test_trimmed_draft_block_is_lossless_and_drafts_differently(model, prompts, reference):
     """SpecConfig.trim_draft: a block-8 draft verified in windows of 4 runs a 4-position forward;
     decoding stays the target's greedy output, and the drafts' features differ from the untrimmed
