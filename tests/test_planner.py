@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.spec.layout import tiers
-from jaxspec.spec.planner import CostTable, choose_budget, expected_tokens, monotone_fit, plan_lengths
+from jaxspec.spec.planner import CostTable, choose_budget, expected_tokens, monotone_costs, plan_lengths
 
 plan_jit = jax.jit(plan_lengths)
 
@@ -220,36 +220,35 @@ def test_cost_table_interpolation():
 
 
 def monotone_oracle(values):
-    """Isotonic regression by its min-max formula (float64): fit[i] = max over a <= i of the min
-    over b >= i of mean(values[a..b])."""
-    v = np.asarray(values, np.float64)
-    n = len(v)
-    return np.array([max(min(v[a : b + 1].mean() for b in range(i, n)) for a in range(i + 1)) for i in range(n)])
+    """The least of the values at or after each position, by loops over Python floats."""
+    v = [float(x) for x in values]
+    return [min(v[i:]) for i in range(len(v))]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
-def test_monotone_fit_matches_the_min_max_oracle(n):
+def test_monotone_costs_match_the_suffix_min_oracle(n):
     rng = np.random.default_rng(n)
     for _ in range(20):
         values = rng.uniform(0.5, 1.5, n) * rng.choice([1.0, 1e-3])
-        fit = monotone_fit(values)
-        np.testing.assert_allclose(fit, monotone_oracle(values), rtol=1e-12)
-        assert np.all(np.diff(fit) >= 0) and fit.sum() == pytest.approx(values.sum(), rel=1e-12)
+        fit = monotone_costs(values)
+        assert fit.dtype == np.float64 and fit.tolist() == monotone_oracle(values)
+        assert np.all(np.diff(fit) >= 0) and np.all(fit <= values)
     sorted_values = np.sort(rng.uniform(size=n))
-    np.testing.assert_array_equal(monotone_fit(sorted_values), sorted_values)  # already monotone: unchanged
+    np.testing.assert_array_equal(monotone_costs(sorted_values), sorted_values)  # already monotone: unchanged
 
 
 def test_cost_table_is_monotone_in_tokens():
     """A measured curve that falls with the tokens (timing noise: the profile's first tiers ran
-    slower) is pooled to its isotonic fit; entries keep the measurements."""
+    slower) takes its larger tiers' least time, so the noise reads as no saving; a curve that
+    rises keeps its measurements; entries keep the measurements."""
     measured = {(16, 16): 0.912e-3, (16, 32): 0.872e-3, (16, 64): 0.743e-3, (16, 128): 0.700e-3}
     t = CostTable(measured | {(64, 64): 0.949e-3, (64, 128): 0.932e-3, (64, 256): 1.024e-3})
     assert t.entries[(16, 16)] == 0.912e-3
-    flat = np.mean(list(measured.values()))
     for tokens in (16, 40, 128):
-        assert t.step_time(16, tokens) == pytest.approx(flat)
-    assert t.step_time(64, 64) == t.step_time(64, 128) == pytest.approx((0.949e-3 + 0.932e-3) / 2)
-    assert t.step_time(64, 256) == pytest.approx(1.024e-3)
+        assert t.step_time(16, tokens) == 0.700e-3
+    assert t.step_time(64, 64) == t.step_time(64, 128) == 0.932e-3
+    assert t.step_time(64, 256) == 1.024e-3
+    assert t.step_time(64, 192) == pytest.approx((0.932e-3 + 1.024e-3) / 2)
 
 
 def test_cost_table_save_load(tmp_path):

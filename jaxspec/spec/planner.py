@@ -39,11 +39,13 @@ class CostTable:
     The profiler measures every tier of every profiled batch, so the planner's queries (a tier
     of a measured batch) hit measured points exactly; interpolation only serves other batches.
 
-    Monotone in tokens: at one batch a step that computes more tokens cannot cost less, so each
-    batch's curve is the isotonic (non-decreasing, least-squares) fit of its measured points
-    (`monotone_fit`); `entries` keep the measurements. Timing noise that makes a small tier look
-    cheaper than a larger one (a GPU clock ramping up under the first tiers timed) is pooled
-    instead of read as a saving the planner would trim drafts for.
+    Monotone in tokens: at one batch a step that computes more tokens cannot cost less, so a
+    tier costs at most what any larger tier was measured at, and each batch's curve is that bound,
+    the least measurement at its token count or above (`monotone_costs`); `entries` keep the
+    measurements. Timing noise only adds time (a neighbour's burst, a GPU clock ramping up under
+    the first tiers timed), so where a small tier measured dearer than a larger one the larger
+    one's time is the better estimate of both, and noise is not read as a saving the planner
+    would trim drafts for.
 
     A table with a single probe (or none) carries no information about how cost grows with the
     token count: it `is_trivial`, and the planner then verifies everything.
@@ -79,7 +81,7 @@ class CostTable:
             curves.setdefault(batch, []).append((tokens, seconds))
         self._batches = sorted(curves)
         self._curves = {
-            b: (np.array([t for t, _ in c], np.float64), monotone_fit([s for _, s in c])) for b, c in curves.items()
+            b: (np.array([t for t, _ in c], np.float64), monotone_costs([s for _, s in c])) for b, c in curves.items()
         }
 
     @property
@@ -150,17 +152,11 @@ class CostTable:
                 raise ValueError(f"{path}: not a cost table ({type(e).__name__}: {e})") from None
 
 
-def monotone_fit(values) -> np.ndarray:
-    """The non-decreasing sequence nearest `values` in least squares (isotonic regression by
-    pool-adjacent-violators: a run that decreases is replaced by its mean). float64 [n]."""
-    blocks: list[list[float]] = []  # [sum, count] of each pooled run, means non-decreasing
-    for v in map(float, values):
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return np.array([total / count for total, count in blocks for _ in range(int(count))], np.float64)
+def monotone_costs(values) -> np.ndarray:
+    """Costs measured at increasing token counts -> the non-decreasing bound float64 [n]:
+    out[i] = min(values[i:]), the least time measured at token count i or above (a step that
+    computes fewer tokens costs no more than one that computes more)."""
+    return np.minimum.accumulate(np.asarray(values, np.float64)[::-1])[::-1].copy()
 
 
 def _is_int(x) -> bool:
