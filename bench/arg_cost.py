@@ -27,10 +27,10 @@ from jaxspec.engine import Engine
 from jaxspec.target import load_target
 
 
-def per_call_us(fn, args, calls, rounds):
-    """Median µs a call over `rounds` loops of `calls` back-to-back calls (state threaded through
-    when fn returns it)."""
-    threaded = isinstance(args, list)
+def per_call_us(fn, args, calls, rounds, *, threaded=False):
+    """Median µs a call over `rounds` loops of `calls` back-to-back calls; threaded: fn returns
+    its (donated) first argument, which the next call takes, as the step does with its state."""
+    args = list(args)
     out = None
     times = []
     for round_ in range(rounds + 1):  # round 0 compiles and warms up
@@ -58,7 +58,7 @@ def measure(engine, calls=300, rounds=5) -> dict:
     }
     donating = jax.jit(lambda s, t, p: s, donate_argnums=(0,))
     rows["state, target, proposer; state donated and returned"] = per_call_us(
-        donating, [jax.tree.map(lambda x: x.copy(), state), target, proposer], calls, rounds
+        donating, (jax.tree.map(lambda x: x.copy(), state), target, proposer), calls, rounds, threaded=True
     )
     return {"arrays": counts, "us_a_call": rows, "device": str(jax.devices()[0].device_kind)}
 
