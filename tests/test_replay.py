@@ -143,7 +143,51 @@ def test_estimator_command_prints_the_replay(tmp_path, capsys):
     assert calibration.main([str(tmp_path / "t.npz"), "--cost-table", str(tmp_path / "costs.json")]) == 0
     text = capsys.readouterr().out
     assert "planner replay" in text and f"{want['verified_saving']:.1%}" in text
+    assert "trim frontier" in text
     save_trace(tmp_path / "nostep.npz", trace.features, trace.verified, trace.accepted)
     with pytest.raises(SystemExit) as e:
         calibration.main([str(tmp_path / "nostep.npz"), "--cost-table", str(tmp_path / "costs.json")])
     assert e.value.code == 2 and "--cost-table" in capsys.readouterr().err
+
+
+def _frontier_oracle(trace, survival, share, min_batch):
+    """Pooled (saving, loss) of keeping floor(share n P) drafts a step, by loops: the top candidates
+    by survival descending, then position, then request."""
+    kept = full = committed = static = 0
+    for s in np.unique(trace.step):
+        idx = np.flatnonzero(trace.step == s)
+        n = len(idx)
+        if n < min_batch:
+            continue
+        budget = int(np.floor(share * n * P))
+        flat = sorted((-survival[idx[r], k], k, r) for r in range(n) for k in range(P))
+        lengths = np.zeros(n, int)
+        for _, _, r in flat[:budget]:
+            lengths[r] += 1
+        acc = trace.accepted[idx]
+        kept, full = kept + n + budget, full + n * (P + 1)
+        committed += int(np.sum(np.minimum(acc, lengths) + 1))
+        static += int(np.sum(acc + 1))
+    return 1 - kept / full, 1 - committed / static
+
+
+@pytest.mark.parametrize("min_batch", [3, 16], ids=["from-3-rows", "from-16-rows"])
+def test_trim_frontier_matches_the_oracle(min_batch):
+    trace = _trace(11)
+    got = replay.trim_frontier(trace, shares=(0.0, 0.35, 0.5, 1.0), min_batch=min_batch)
+    surv = {
+        "accept_length_loss": replay_online(trace)[0],
+        "baseline_loss": calibration.baseline_survival(trace.features),
+    }
+    assert [r["share"] for r in got] == [0.0, 0.35, 0.5, 1.0]
+    for r in got:
+        for key, s in surv.items():
+            saving, loss = _frontier_oracle(trace, s, r["share"], min_batch)
+            assert r["verified_saving"] == pytest.approx(saving, rel=1e-12)
+            assert r[key] == pytest.approx(loss, rel=1e-12, abs=1e-15)
+    assert got[-1]["verified_saving"] == 0.0 and got[-1]["accept_length_loss"] == 0.0  # keep all: static
+    assert got[0]["verified_saving"] == pytest.approx(P / (P + 1))  # anchors only
+    losses = [r["accept_length_loss"] for r in got]
+    assert losses == sorted(losses, reverse=True) and losses[0] > 0.0
+    assert replay.trim_frontier(trace, min_batch=17) is None
+    assert "trim frontier" in replay.format_frontier(got, min_batch)

@@ -498,7 +498,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--cost-table",
         help="cost table JSON (`jaxspec profile`): also replay the planner on the trace (recorded in static "
-        "mode, with its step index) and report compact against static (jaxspec.spec.replay)",
+        "mode, with its step index) and report compact against static, and the trim frontier of the survival "
+        "ranking (jaxspec.spec.replay)",
     )
     parser.add_argument(
         "--num-tiers", type=positive_int("--num-tiers"), default=4, help="verify tiers of the replayed ladder"
@@ -526,12 +527,13 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     state = est.init(trace.num_positions, refit_interval=args.refit_interval, first_refit=args.first_refit)
     result = evaluate(trace, state, batch_rows=args.batch_rows)
     if costs is not None:
-        from jaxspec.spec.replay import format_replay, replay_planner
+        from jaxspec.spec.replay import format_frontier, format_replay, replay_planner, trim_frontier
 
         try:
             result["planner_replay"] = replay_planner(trace, costs, num_tiers=args.num_tiers, state=state)
         except ValueError as e:
             parser.error(f"argument --cost-table: {e}")
+        result["trim_frontier"] = trim_frontier(trace, state=state)
     if args.plot:
         reliability_plot(result, args.plot)
     if args.json:
@@ -541,6 +543,9 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         if costs is not None:
             print()
             print(format_replay(result["planner_replay"]))
+            if result["trim_frontier"] is not None:
+                print()
+                print(format_frontier(result["trim_frontier"]))
         if args.plot:
             print(f"reliability plot: {args.plot}")
     return 0

@@ -17,6 +17,13 @@ and reports, against static (every row verifies P drafts, tier n (P + 1)): verif
 committed (sum of min(a, l) + 1), the accept-length loss, and the step time the cost table gives
 both, so the adaptive policy can be judged without a GPU.
 
+`trim_frontier` asks what the survival ranking alone allows, free of the cost table, the tier
+ladder and the planner's objective: on the steps of >= min_batch rows, keep a fixed share f of
+the step's drafts (budget = floor(f n P), the same top-budget rule) and report the verified
+tokens saved and the accept length lost, for the estimator's survivals and for the raw
+prod-q_max baseline (`calibration.baseline_survival`). Compact's own point on that curve is where
+the cost table's committed-tokens-per-second optimum puts it.
+
 Approximations (all in compact's favour, each small): the tier is chosen from the step's own
 survivals (the engine reads them `lag` steps late); the estimator observes static's full outcomes
 (compact would observe truncated windows); later steps are those of the static run (compact
@@ -30,7 +37,7 @@ import numpy as np
 
 from jaxspec.config import PLAN_OVERHEAD
 from jaxspec.spec import layout, planner
-from jaxspec.spec.calibration import Trace, replay_online
+from jaxspec.spec.calibration import Trace, baseline_survival, replay_online
 from jaxspec.spec.planner import CostTable
 
 
@@ -85,6 +92,59 @@ def replay_planner(
         {"min_batch": int(min_batch), "steps": len(pick["static"]), **_compare(pick)} if pick["static"] else None
     )
     return out
+
+
+FRONTIER_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def trim_frontier(trace: Trace, *, shares=FRONTIER_SHARES, state=None, min_batch: int = 16) -> list[dict] | None:
+    """Verified-token saving against accept-length loss when each step of >= min_batch rows keeps
+    the share f of its n P drafts (budget floor(f n P), `planner.plan_lengths` on the survivals):
+    one dict a share, {"share", "verified_saving" (1 - (n + budget) / (n (P + 1)) pooled over the
+    steps: anchors + kept drafts, no tier rounding), "accept_length_loss" (1 - sum(min(a, l) + 1) /
+    sum(a + 1)) with the online estimator's survivals, "baseline_loss" the same with prod q_max}.
+    None when no step has min_batch rows."""
+    if trace.step is None:
+        raise ValueError("trim_frontier: the trace has no step index (record it with Engine(record_trace=True))")
+    p = trace.num_positions
+    if np.any(trace.verified != p):
+        raise ValueError(f"trim_frontier: every row must verify its whole block ({p} drafts): record in static mode")
+    survival = {"estimator": replay_online(trace, state)[0], "baseline": baseline_survival(trace.features)}
+    bounds = np.flatnonzero(np.r_[True, trace.step[1:] != trace.step[:-1], True])
+    steps = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s >= min_batch]
+    if not steps:
+        return None
+    full = sum((e - s) * (p + 1) for s, e in steps)
+    static = sum(int(np.sum(trace.accepted[s:e] + 1)) for s, e in steps)
+    out = []
+    for share in shares:
+        budgets = [int(np.floor(share * (e - s) * p)) for s, e in steps]
+        row = {
+            "share": float(share),
+            "verified_saving": 1.0 - sum(e - s + b for (s, e), b in zip(steps, budgets)) / full,
+        }
+        for name, surv in survival.items():
+            committed = 0
+            for (s, e), budget in zip(steps, budgets):
+                lengths = np.asarray(planner.plan_lengths(surv[s:e], budget))
+                committed += int(np.sum(np.minimum(trace.accepted[s:e], lengths) + 1))
+            row["accept_length_loss" if name == "estimator" else "baseline_loss"] = 1.0 - committed / static
+        out.append(row)
+    return out
+
+
+def format_frontier(frontier: list[dict], min_batch: int = 16) -> str:
+    """The frontier as a table: one line per share of drafts kept."""
+    lines = [
+        f"trim frontier (steps of >= {min_batch} rows keep a share of their drafts, ranked by survival)",
+        f"{'kept':>5} {'verified saving':>15} {'loss: estimator':>15} {'baseline':>9}",
+    ]
+    for r in frontier:
+        lines.append(
+            f"{r['share']:>5.0%} {r['verified_saving']:>15.1%} "
+            f"{r['accept_length_loss']:>15.2%} {r['baseline_loss']:>9.2%}"
+        )
+    return "\n".join(lines)
 
 
 def _compare(rows) -> dict:
