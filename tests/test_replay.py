@@ -190,4 +190,6 @@ def test_trim_frontier_matches_the_oracle(min_batch):
     losses = [r["accept_length_loss"] for r in got]
     assert losses == sorted(losses, reverse=True) and losses[0] > 0.0
     assert replay.trim_frontier(trace, min_batch=17) is None
+    with pytest.raises(ValueError, match="trim_frontier: the trace has no step index"):
+        replay.trim_frontier(Trace(trace.features, trace.verified, trace.accepted))
     assert "trim frontier" in replay.format_frontier(got, min_batch)

@@ -41,6 +41,17 @@ from jaxspec.spec.calibration import Trace, baseline_survival, replay_online
 from jaxspec.spec.planner import CostTable
 
 
+def _step_bounds(trace: Trace, caller: str) -> np.ndarray:
+    """Row offsets where `trace`'s steps begin, then its row count; refuses a trace without a step
+    index or with a row that did not verify its whole block (not recorded in static mode)."""
+    if trace.step is None:
+        raise ValueError(f"{caller}: the trace has no step index (record it with Engine(record_trace=True))")
+    p = trace.num_positions
+    if np.any(trace.verified != p):
+        raise ValueError(f"{caller}: every row must verify its whole block ({p} drafts): record in static mode")
+    return np.flatnonzero(np.r_[True, trace.step[1:] != trace.step[:-1], True])
+
+
 def replay_planner(
     trace: Trace,
     cost_table: CostTable,
@@ -61,15 +72,11 @@ def replay_planner(
     steps}; totals = {"verified" (tokens the verify runs: the tier),
     "useful" (anchors + verified drafts), "committed", "seconds", "accept_length"}.
     """
-    if trace.step is None:
-        raise ValueError("replay_planner: the trace has no step index (record it with Engine(record_trace=True))")
+    bounds = _step_bounds(trace, "replay_planner")
     if cost_table is None or cost_table.is_trivial:
         raise ValueError("replay_planner: cost_table must measure at least two token counts")
     p = trace.num_positions
-    if np.any(trace.verified != p):
-        raise ValueError(f"replay_planner: every row must verify its whole block ({p} drafts): record in static mode")
     survival, _ = replay_online(trace, state)  # [S, P]
-    bounds = np.flatnonzero(np.r_[True, trace.step[1:] != trace.step[:-1], True])
     rows = {"static": [], "compact": []}  # per step: (n, verified, useful, committed, seconds)
     for start, end in zip(bounds[:-1], bounds[1:]):
         n, surv, accepted = end - start, survival[start:end], trace.accepted[start:end]
@@ -104,13 +111,9 @@ def trim_frontier(trace: Trace, *, shares=FRONTIER_SHARES, state=None, min_batch
     steps: anchors + kept drafts, no tier rounding), "accept_length_loss" (1 - sum(min(a, l) + 1) /
     sum(a + 1)) with the online estimator's survivals, "baseline_loss" the same with prod q_max}.
     None when no step has min_batch rows."""
-    if trace.step is None:
-        raise ValueError("trim_frontier: the trace has no step index (record it with Engine(record_trace=True))")
+    bounds = _step_bounds(trace, "trim_frontier")
     p = trace.num_positions
-    if np.any(trace.verified != p):
-        raise ValueError(f"trim_frontier: every row must verify its whole block ({p} drafts): record in static mode")
     survival = {"estimator": replay_online(trace, state)[0], "baseline": baseline_survival(trace.features)}
-    bounds = np.flatnonzero(np.r_[True, trace.step[1:] != trace.step[:-1], True])
     steps = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s >= min_batch]
     if not steps:
         return None
