@@ -193,3 +193,29 @@ def test_trim_frontier_matches_the_oracle(min_batch):
     with pytest.raises(ValueError, match="trim_frontier: the trace has no step index"):
         replay.trim_frontier(Trace(trace.features, trace.verified, trace.accepted))
     assert "trim frontier" in replay.format_frontier(got, min_batch)
+
+
+def test_given_survivals_replace_the_replay():
+    """`survival=` is what the ranking uses (the baseline's survivals give the baseline's losses),
+    the estimator's own survivals give what replaying them does, and a wrong shape is refused."""
+    trace = _trace(12)
+    baseline = calibration.baseline_survival(trace.features)
+    for r in replay.trim_frontier(trace, shares=(0.4, 0.7), survival=baseline, min_batch=3):
+        assert (
+            r["accept_length_loss"]
+            == r["baseline_loss"]
+            == pytest.approx(_frontier_oracle(trace, baseline, r["share"], 3)[1], rel=1e-12)
+        )
+    replayed = replay_online(trace)
+    table = _table(1e-2, fixed=1e-4)
+    assert replay.replay_planner(trace, table, survival=replayed[0]) == replay.replay_planner(trace, table)
+    same = [
+        json.dumps(calibration._json_ready(calibration.evaluate(trace, **kw))) for kw in ({"replayed": replayed}, {})
+    ]
+    assert same[0] == same[1]  # as text: the reports hold NaN (empty reliability bins)
+    scored = calibration.evaluate(trace, replayed=(baseline, replayed[1]))
+    assert scored["auc"] == scored["auc_baseline"] and scored["ece"] == scored["ece_baseline"]
+    with pytest.raises(ValueError, match=r"replay_planner: survival has shape \(5, 7\)"):
+        replay.replay_planner(trace, table, survival=baseline[:5])
+    with pytest.raises(ValueError, match="trim_frontier: survival has shape"):
+        replay.trim_frontier(trace, survival=baseline[:, :3])

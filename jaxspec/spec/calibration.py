@@ -318,18 +318,19 @@ def _scores(surv, base, mask, labels):
     }
 
 
-def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS) -> dict:
+def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS, replayed=None) -> dict:
     """Replay the estimator online over ``trace`` (from ``state``, default `estimator.init`) and
     score its survival predictions against the prod-q_max baseline.
 
     Samples are the verified (row, position) pairs; label = position < accepted. Returns a
     JSON-ready dict: overall ``auc``/``auc_baseline``/``ece``/``ece_baseline``, ``per_position``
     (n, accept rate, mean predictions, ECE and AUC of both), ``reliability`` bins per position,
-    ``by_temperature`` (when the trace has temperatures) and the final coefficients.
+    ``by_temperature`` (when the trace has temperatures) and the final coefficients. replayed: the
+    (survival, final state) of `replay_online(trace, state, batch_rows=...)` when already run.
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"evaluate: expected a Trace, got {type(trace).__name__}")
-    surv, final = replay_online(trace, state, batch_rows=batch_rows)
+    surv, final = replay_online(trace, state, batch_rows=batch_rows) if replayed is None else replayed
     base = baseline_survival(trace.features)
     S, P = trace.features.shape
     k = np.arange(P)[None, :]
@@ -525,15 +526,16 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"argument --cost-table: cannot read {args.cost_table!r}: {e}")
     state = est.init(trace.num_positions, refit_interval=args.refit_interval, first_refit=args.first_refit)
-    result = evaluate(trace, state, batch_rows=args.batch_rows)
+    replayed = replay_online(trace, state, batch_rows=args.batch_rows)  # once: the report, replay and frontier
+    result = evaluate(trace, replayed=replayed)
     if costs is not None:
         from jaxspec.spec.replay import format_frontier, format_replay, replay_planner, trim_frontier
 
         try:
-            result["planner_replay"] = replay_planner(trace, costs, num_tiers=args.num_tiers, state=state)
+            result["planner_replay"] = replay_planner(trace, costs, num_tiers=args.num_tiers, survival=replayed[0])
         except ValueError as e:
             parser.error(f"argument --cost-table: {e}")
-        result["trim_frontier"] = trim_frontier(trace, state=state)
+        result["trim_frontier"] = trim_frontier(trace, survival=replayed[0])
     if args.plot:
         reliability_plot(result, args.plot)
     if args.json:

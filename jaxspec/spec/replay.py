@@ -52,6 +52,16 @@ def _step_bounds(trace: Trace, caller: str) -> np.ndarray:
     return np.flatnonzero(np.r_[True, trace.step[1:] != trace.step[:-1], True])
 
 
+def _survival(trace: Trace, state, survival, caller: str) -> np.ndarray:
+    """The estimator's online survivals [S, P]: `survival` checked against the trace, or replayed."""
+    if survival is None:
+        return replay_online(trace, state)[0]
+    survival = np.asarray(survival, np.float64)
+    if survival.shape != trace.features.shape:
+        raise ValueError(f"{caller}: survival has shape {survival.shape}, the trace's features {trace.features.shape}")
+    return survival
+
+
 def replay_planner(
     trace: Trace,
     cost_table: CostTable,
@@ -59,10 +69,13 @@ def replay_planner(
     num_tiers: int = 4,
     plan_overhead: float = PLAN_OVERHEAD,
     state=None,
+    survival=None,
     min_batch: int = 16,
 ) -> dict:
     """Compact against static on `trace` (rows grouped into steps by `trace.step`). plan_overhead:
     the engine's `SpecConfig.plan_overhead`, which a trimmed step also pays in the reported seconds.
+    survival: the estimator's survivals [S, P] when already replayed (`calibration.replay_online`),
+    else they are replayed here from `state`.
 
     Returns {"steps", "rows", "static": totals, "compact": totals, "verified_saving" (1 - compact /
     static verified tokens), "accept_length_loss" (1 - compact / static accept length),
@@ -76,7 +89,7 @@ def replay_planner(
     if cost_table is None or cost_table.is_trivial:
         raise ValueError("replay_planner: cost_table must measure at least two token counts")
     p = trace.num_positions
-    survival, _ = replay_online(trace, state)  # [S, P]
+    survival = _survival(trace, state, survival, "replay_planner")  # [S, P]
     rows = {"static": [], "compact": []}  # per step: (n, verified, useful, committed, seconds)
     for start, end in zip(bounds[:-1], bounds[1:]):
         n, surv, accepted = end - start, survival[start:end], trace.accepted[start:end]
@@ -104,16 +117,21 @@ def replay_planner(
 FRONTIER_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
-def trim_frontier(trace: Trace, *, shares=FRONTIER_SHARES, state=None, min_batch: int = 16) -> list[dict] | None:
+def trim_frontier(
+    trace: Trace, *, shares=FRONTIER_SHARES, state=None, survival=None, min_batch: int = 16
+) -> list[dict] | None:
     """Verified-token saving against accept-length loss when each step of >= min_batch rows keeps
     the share f of its n P drafts (budget floor(f n P), `planner.plan_lengths` on the survivals):
     one dict a share, {"share", "verified_saving" (1 - (n + budget) / (n (P + 1)) pooled over the
     steps: anchors + kept drafts, no tier rounding), "accept_length_loss" (1 - sum(min(a, l) + 1) /
     sum(a + 1)) with the online estimator's survivals, "baseline_loss" the same with prod q_max}.
-    None when no step has min_batch rows."""
+    None when no step has min_batch rows. survival: as in `replay_planner`."""
     bounds = _step_bounds(trace, "trim_frontier")
     p = trace.num_positions
-    survival = {"estimator": replay_online(trace, state)[0], "baseline": baseline_survival(trace.features)}
+    survival = {
+        "estimator": _survival(trace, state, survival, "trim_frontier"),
+        "baseline": baseline_survival(trace.features),
+    }
     steps = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e - s >= min_batch]
     if not steps:
         return None
