@@ -21,6 +21,7 @@ once at its end to warn.
 import collections
 import dataclasses
 import math
+import statistics
 import time
 import warnings
 from functools import partial
@@ -41,6 +42,8 @@ from jaxspec.spec.planner import CostTable
 from jaxspec.step import NON_FINITE, EngineState, jitted_prefill, jitted_step, split_readout
 from jaxspec.target import Target
 from jaxspec.tier_planner import TierPlanner
+
+HOST_TURNS = 16  # decoding turns whose host time `Engine.host_seconds` takes the median of
 
 
 @dataclasses.dataclass
@@ -185,6 +188,7 @@ class Engine:
         self._queue, self._refused, self._active = collections.deque(), collections.deque(), {}
         self._free = list(range(1, spec.num_slots + 1))
         self._in_flight, self._history = None, collections.deque(maxlen=spec.lag)
+        self._host_busy, self._ready_at = collections.deque(maxlen=HOST_TURNS), None  # see host_seconds
         self._next_id, self._news = 0, {}
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
         self._step = jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
@@ -422,6 +426,19 @@ class Engine:
         """Device steps dispatched so far (the planner's warm-up counts them)."""
         return self._steps_run
 
+    @property
+    def host_seconds(self) -> float:
+        """The host's own time a decoding turn: the median, over the last HOST_TURNS turns, of the
+        time from one step's readout arriving to the host asking for the next one (emitting
+        tokens, the caller's work between turns, admitting, planning, dispatching); 0.0 before
+        HOST_TURNS // 2 turns. The loop keeps one step in flight, so a step costs at least this
+        whatever its tier: the planner prices every tier at max(table, host_seconds), and
+        verifies full blocks where the host alone takes the full block's time (a small model,
+        many rows), since trimming drafts there saves no time and loses tokens."""
+        if len(self._host_busy) < HOST_TURNS // 2:
+            return 0.0
+        return statistics.median(self._host_busy)
+
     def submit(
         self,
         prompt,
@@ -486,6 +503,7 @@ class Engine:
         if not self._active and self._in_flight is None:
             self._history.clear()
             self._free.sort()
+            self._ready_at = None  # the idle time before this turn is nobody's step
         while self._refused:
             rid, error = self._refused.popleft()
             self._news[rid] = [[], False, GenerationResult(tokens=[], stats={}, error=error)]
@@ -599,10 +617,11 @@ class Engine:
         """Dispatch the next device step for the active requests; returns what `_read` needs."""
         rows = [self._active.get(s) for s in range(1, self.spec.num_slots + 1)]
         old = self._history[0] if len(self._history) == self.spec.lag else None
+        host = self.host_seconds if self._switch or self._plans_on_host else 0.0
         if self._switch:
-            tier, plan = None, self.tier_planner.device_plan(rows, old, self._steps_run)
+            tier, plan = None, self.tier_planner.device_plan(rows, old, self._steps_run, host)
         else:
-            tier, plan = self.tier_planner.choose_tier(rows, old, self._steps_run), None
+            tier, plan = self.tier_planner.choose_tier(rows, old, self._steps_run, host), None
         temperature = np.asarray([0.0 if r is None else r.sampling[0] for r in rows], np.float32)
         slots = np.asarray([0 if r is None else r.slot for r in rows], np.int32)  # travels with the call
         self.state, readout, features, survival, used = self._step(
@@ -637,7 +656,11 @@ class Engine:
         finished meanwhile are discarded)."""
         rows, readout, step_tier, entry = in_flight
         self.tier_counts[int(step_tier)] += 1
-        emitted, accepted, verified, survival = split_readout(readout, self.window)
+        start = time.perf_counter()
+        if self._ready_at is not None:
+            self._host_busy.append(start - self._ready_at)
+        emitted, accepted, verified, survival = split_readout(readout, self.window)  # waits for the step
+        self._ready_at = time.perf_counter()
         if self._plans_on_host:
             entry[1] = survival  # the host's tier choice reads these numpy survivals, no transfer
         # Python ints from here: numpy scalars per row and token cost 1.5-2x as much (at 64 rows

@@ -83,7 +83,8 @@ class DevicePlan:
     compiled step serves every tier: plan (bool []: False = verify everything, the host's
     warm-up / no-history / no-cost-table rule), survival [S, T-1] of the step `lag` steps back,
     same [S] (the row holds the request it held then; otherwise its survivals count as 1) and
-    costs [S+1, tiers] (seconds of tier j's admissible budget at n active rows, from the table)."""
+    costs [S+1, tiers] (seconds of tier j's admissible budget at n active rows: the table's, at
+    least the host's own time a step, `TierPlanner.device_plan`)."""
 
     plan: jnp.ndarray
     survival: jnp.ndarray

@@ -61,11 +61,14 @@ class TierPlanner:
             or self.cost_table.is_trivial
         )
 
-    def choose_tier(self, rows, old, steps_run: int) -> int:
+    def choose_tier(self, rows, old, steps_run: int, host_seconds: float = 0.0) -> int:
         """The tier tokens of the next step, chosen on the host by the device's rule
         (`planner.choose_tier`: the first tier maximising tau(budget) / cost, with the same cost
         matrix) over the lagged survivals read back from the device: the full block unless
         `plans`; a request that was not in its slot `lag` steps back counts its survivals as 1.
+        host_seconds: the host's own time a step (`Engine.host_seconds`); a step costs at least
+        that whatever its tier, so each cost is max(table, host_seconds) and where the host alone
+        takes the full block's time no trim can shorten the step: the full block, no survivals read.
         Plain Python over S x (window - 1) floats: at one request the engine's host loop bounds
         the step, and a dozen numpy calls cost it ~10% (bench/RESULTS.md)."""
         if not self.plans(old, steps_run):
@@ -74,6 +77,10 @@ class TierPlanner:
         tiers, budgets, costs, settled = self._ladder(n)
         if settled is not None:  # the full block wins whatever the survivals: none read back
             return settled
+        floor = float(np.float32(host_seconds))  # as the device's float32 cost matrix holds it
+        full = budgets.index(n * (self.window - 1))
+        if floor >= costs[full]:  # host-bound: every tier costs the host's time
+            return tiers[full]
         old_rows, old_survival = old
         old_survival = np.asarray(old_survival).tolist()
         newcomer = [1.0] * (self.window - 1)  # assume acceptance
@@ -83,7 +90,7 @@ class TierPlanner:
                 flat += old_survival[i] if req is old_rows[i] else newcomer
         top = sorted((0.0 if x != x else x for x in flat), reverse=True)  # NaN counts as 0
         tau = list(itertools.accumulate(top, initial=float(n)))  # tau[b]: n + the b largest
-        rates = [tau[b] / c for b, c in zip(budgets, costs)]
+        rates = [tau[b] / max(c, floor) for b, c in zip(budgets, costs)]
         return tiers[rates.index(max(rates))]
 
     def _ladder(self, n: int):
@@ -108,31 +115,39 @@ class TierPlanner:
         return self._ladders[n]
 
     def _cost_matrix(self):
-        """(costs [S + 1, tiers] float32 numpy, the same on the device, placeholder survivals
-        [S, window - 1] on the device): the price of tier j's admissible budget b at n active
-        rows, built once per cost table (1 s everywhere without a table): its profiled step time,
-        plus `SpecConfig.plan_overhead` x the full block's (n + n (window - 1) tokens) where
-        b < n (window - 1) trims drafts (`planner.choose_budget`'s price)."""
+        """(costs [S + 1, tiers] float32 numpy, trims [S + 1, tiers] bool numpy, placeholder
+        survivals [S, window - 1] on the device): the price of tier j's admissible budget b at n
+        active rows, built once per cost table (1 s everywhere without a table): its profiled step
+        time, plus `SpecConfig.plan_overhead` x the full block's (n + n (window - 1) tokens) where
+        b < n (window - 1) trims drafts (`planner.choose_budget`'s price); trims marks those b."""
         if self._costs is None or self._costs[0] is not self.cost_table:
             s, d = self.spec.num_slots, self.window - 1
             costs = np.ones((s + 1, len(self.tier_tokens)), np.float32)
-            if self.cost_table is not None and not self.cost_table.is_trivial:
-                for n in range(1, s + 1):
-                    for j, tier in enumerate(self.tier_tokens):
-                        if tier >= n:
-                            budget = min(tier - n, n * d)
-                            trim = trim_overhead(self.cost_table, n, budget, d, self.spec.plan_overhead)
-                            costs[n, j] = self.cost_table.step_time(n, n + budget) + trim
-            self._costs = (self.cost_table, costs, jnp.asarray(costs), jnp.ones((s, d), jnp.float32))
+            trims = np.zeros(costs.shape, bool)
+            for n in range(1, s + 1):
+                for j, tier in enumerate(self.tier_tokens):
+                    budget = min(tier - n, n * d)
+                    trims[n, j] = budget < n * d
+                    if tier >= n and self.cost_table is not None and not self.cost_table.is_trivial:
+                        trim = trim_overhead(self.cost_table, n, budget, d, self.spec.plan_overhead)
+                        costs[n, j] = self.cost_table.step_time(n, n + budget) + trim
+            self._costs = (self.cost_table, costs, trims, jnp.ones((s, d), jnp.float32))
             self._ladders = {}
         return self._costs[1:]
 
-    def device_plan(self, rows, old, steps_run: int) -> DevicePlan:
+    def device_plan(self, rows, old, steps_run: int, host_seconds: float = 0.0) -> DevicePlan:
         """`choose_tier`'s inputs for the device: nothing is read back; the lagged survivals stay
-        on the device (plan and same go as numpy: the step's call transfers them)."""
+        on the device (plan, same and costs go as numpy: the step's call transfers them).
+        host_seconds as in `choose_tier`: every cost raised to it, and at the row counts where the
+        host alone takes the full block's time the budgets that trim priced out (1e9 s), so the
+        device runs the full block there as the host would."""
         plans = self.plans(old, steps_run)
+        costs, trims, ones = self._cost_matrix()
+        floor = np.float32(host_seconds)
+        if plans and floor > 0:
+            host_bound = floor >= costs[:, -1:]  # [S + 1, 1]: the last tier holds every full block
+            costs = np.where(host_bound & trims, np.float32(1e9), np.maximum(costs, floor))
         same = np.array([plans and req is not None and req is old[0][i] for i, req in enumerate(rows)], bool)
-        _, costs, ones = self._cost_matrix()
         return DevicePlan(plan=np.asarray(plans), survival=old[1] if plans else ones, same=same, costs=costs)
 
     def forcing(self, tier: int) -> DevicePlan:
@@ -146,5 +161,5 @@ class TierPlanner:
             plan=np.asarray(True),
             survival=jnp.ones((s, d), jnp.float32),
             same=np.ones((s,), bool),
-            costs=jnp.asarray(costs),
+            costs=costs,
         )

@@ -408,7 +408,7 @@ def test_host_tier_choice_reads_the_steps_survivals_from_its_readout(model, prom
     spec = SpecConfig(verify_mode="compact", num_slots=3, max_len=96, warmup_refits=0, plan_overhead=0.0)
     assert spec.lag == 2
     tiers, _ = layout.tiers(3, 6)  # the engine's ladder: 3 slots, window 6
-    table = {(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, 4) for n in range(1, tiers[-1] + 1)}
+    table = {(b, n): 1.0 + 0.05 * n for b in range(1, 4) for n in range(1, tiers[-1] + 1)}
     engine = Engine(model, random_draft(model, 6), spec, cost_table=CostTable(table))
     device, seen = [], []
     step, choose = engine._step, engine.tier_planner.choose_tier
@@ -418,10 +418,10 @@ def test_host_tier_choice_reads_the_steps_survivals_from_its_readout(model, prom
         device.append(np.asarray(out[3]))
         return out
 
-    def spy_choose(rows, old, steps_run):
+    def spy_choose(rows, old, steps_run, host_seconds):
         if old is not None:
             seen.append((len(device), old[1]))
-        return choose(rows, old, steps_run)
+        return choose(rows, old, steps_run, host_seconds)
 
     spy_step._cache_size = step._cache_size  # the engine counts its compiled programs
     engine._step, engine.tier_planner.choose_tier = spy_step, spy_choose

@@ -116,9 +116,10 @@ def test_packed_verify_equals_dense_bit_for_bit(model, fold_policy):
 
 
 def _cost_table(slots, block):
-    """A verify that costs more with more tokens: the planner picks partial tiers."""
+    """A verify that costs more with more tokens, and seconds a step (far above the host's own
+    time a turn, which would otherwise floor every tier's cost): the planner picks partial tiers."""
     tiers, _ = layout.tiers(slots, block)
-    return CostTable({(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, slots + 1) for n in range(1, tiers[-1] + 1)})
+    return CostTable({(b, n): 1.0 + 0.05 * n for b in range(1, slots + 1) for n in range(1, tiers[-1] + 1)})
 
 
 @pytest.fixture(scope="module")

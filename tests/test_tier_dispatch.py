@@ -66,9 +66,10 @@ def prompts():
 
 
 def _cost_table(slots, block):
-    """A verify that costs more with more tokens: the planner picks partial tiers."""
+    """A verify that costs more with more tokens, and seconds a step (far above the host's own
+    time a turn, which would otherwise floor every tier's cost): the planner picks partial tiers."""
     tiers, _ = layout.tiers(slots, block)
-    return CostTable({(b, n): 1e-3 * (1.0 + 0.05 * n) for b in range(1, slots + 1) for n in range(1, tiers[-1] + 1)})
+    return CostTable({(b, n): 1.0 + 0.05 * n for b in range(1, slots + 1) for n in range(1, tiers[-1] + 1)})
 
 
 def _engine(model, table, mode, dispatch, block):
@@ -84,7 +85,8 @@ def _engine(model, table, mode, dispatch, block):
 
 
 def test_device_tier_is_the_host_tier(model, table):
-    """The device rule picks the host's tier for random survivals, occupancy and request changes."""
+    """The device rule picks the host's tier for random survivals, occupancy, request changes and
+    host times a step (which floor every tier's cost)."""
     BLOCK = 6  # tiers (3, 8, 16, 18)
     engine = _engine(model, table, "compact", "switch", BLOCK)
     tier_planner, past_warmup = engine.tier_planner, 10**6
@@ -103,9 +105,10 @@ def test_device_tier_is_the_host_tier(model, table):
         if all(r is None for r in rows):
             rows[0] = requests[0]
         old = (old_rows, jax.numpy.asarray(survival))
-        host = tier_planner.choose_tier(rows, old, past_warmup)
+        host_seconds = 0.0 if trial % 2 else rng.uniform(0.9, 2.0)  # the table: 1.15-1.9 s a step
+        host = tier_planner.choose_tier(rows, old, past_warmup, host_seconds)
         active = jax.numpy.asarray([r is not None for r in rows])
-        plan = tier_planner.device_plan(rows, old, past_warmup)
+        plan = tier_planner.device_plan(rows, old, past_warmup, host_seconds)
         device = engine.tier_tokens[int(pick(plan, active, engine.tier_tokens, BLOCK - 1))]
         assert device == host, (trial, rows, old_rows, survival)
         seen.add(host)
@@ -116,6 +119,77 @@ def test_device_tier_is_the_host_tier(model, table):
     assert tier_planner.choose_tier(rows, None, past_warmup) == engine.tier_tokens[-1]
     plan = tier_planner.device_plan(rows, None, past_warmup)
     assert int(pick(plan, active, engine.tier_tokens, BLOCK - 1)) == len(engine.tier_tokens) - 1
+
+
+class _Unread:
+    """Survivals that fail the test if the planner reads them."""
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("the planner read the survivals")
+
+
+def test_host_time_floors_the_tier_costs(model, table):
+    """A step costs at least the host's own time: each tier is priced at max(table, host_seconds)
+    (a brute-force rate oracle), and where the host alone takes the full block's time the full
+    block is chosen without reading survivals, on the host and on the device."""
+    BLOCK = 6
+    engine = _engine(model, table, "compact", "switch", BLOCK)
+    planner, d = engine.tier_planner, BLOCK - 1
+    costs = _cost_table(SLOTS, BLOCK)
+    rows = [object() for _ in range(SLOTS)]
+    survival = np.tile(np.float32([0.9, 0.2, 0.05, 0.01, 0.0]), (SLOTS, 1))  # trimming pays
+    full = SLOTS * BLOCK
+
+    def oracle(host_seconds):
+        best = None
+        for tier in engine.tier_tokens:
+            budget = min(tier - SLOTS, SLOTS * d)
+            tau = SLOTS + np.sort(survival.reshape(-1))[::-1][:budget].sum()
+            price = costs.step_time(SLOTS, SLOTS + budget) + (
+                planner.spec.plan_overhead * costs.step_time(SLOTS, full) if budget < SLOTS * d else 0.0
+            )
+            rate = tau / max(price, np.float32(host_seconds))
+            if best is None or rate > best[0] * (1 + 1e-6):
+                best = (rate, engine.tier_tokens[layout.tier_for(SLOTS + budget, engine.tier_tokens)])
+        return best[1]
+
+    old = (rows, jnp.asarray(survival))
+    trimmed = planner.choose_tier(rows, old, 10**6)
+    assert trimmed < full and trimmed == oracle(0.0)
+    for host_seconds in (1.2, 1.5, 1.86):  # prices 1.21 / 1.46 / 1.86 / 1.9 s (tiers 3 / 8 / 16 / 18)
+        assert planner.choose_tier(rows, old, 10**6, host_seconds) == oracle(host_seconds), host_seconds
+    assert oracle(1.86) == 16 != trimmed  # the floor changes the choice
+    at_full = costs.step_time(SLOTS, full)
+    for host_seconds in (at_full, 2 * at_full):
+        assert planner.choose_tier(rows, (rows, _Unread()), 10**6, host_seconds) == full
+        plan = planner.device_plan(rows, old, 10**6, host_seconds)
+        active = jnp.ones((SLOTS,), bool)
+        assert engine.tier_tokens[int(step_mod.device_tier(plan, active, engine.tier_tokens, d))] == full
+
+
+def test_engine_measures_its_host_time(model, table, prompts):
+    """`Engine.host_seconds` is measured while decoding; with a table whose every step is faster
+    than that (a host-bound engine) compact verifies full blocks, with a table of seconds a step
+    it trims."""
+    block, trimmed = 5, {}  # not the block the switch test counts compilations of
+    for name, scale in (("host-bound", 1e-9), ("device-bound", 1.0)):
+        engine = _engine(model, table, "compact", "host", block)
+        engine.cost_table = CostTable({key: scale * s for key, s in _cost_table(SLOTS, block).entries.items()})
+        choose, steps = engine.tier_planner.choose_tier, []
+
+        def spy(rows, old, steps_run, host_seconds, choose=choose, steps=steps):
+            tier = choose(rows, old, steps_run, host_seconds)
+            if host_seconds > 0:  # measured after HOST_TURNS // 2 turns; the table alone before
+                steps.append((sum(r is not None for r in rows), tier))
+            return tier
+
+        engine.tier_planner.choose_tier = spy
+        engine.generate(prompts, max_new_tokens=24)
+        assert engine.host_seconds > 0.0
+        whole = {n: min(t for t in engine.tier_tokens if t >= n * block) for n in range(1, SLOTS + 1)}
+        trimmed[name] = sum(tier < whole[n] for n, tier in steps)
+        assert len(steps) > 20
+    assert trimmed["host-bound"] == 0 < trimmed["device-bound"], trimmed
 
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
