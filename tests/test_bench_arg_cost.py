@@ -20,5 +20,5 @@ def test_rows_and_array_counts(tmp_path):
     ]
     assert all(us > 0 for us in rows.values())
     arrays = result["arrays"]
-    # models/tiny-dflash: 2 layers of 11 arrays + fc, hidden_norm, norm; plus embed and lm_head
-    assert arrays["proposer"] == 2 * 11 + 3 + 2 and arrays["target"] > arrays["proposer"]
+    # models/tiny-dflash: 6 layers of 11 arrays + fc, hidden_norm, norm; plus embed and lm_head
+    assert arrays["proposer"] == 6 * 11 + 3 + 2 and arrays["target"] > arrays["proposer"]
