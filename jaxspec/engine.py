@@ -188,7 +188,9 @@ class Engine:
         self._queue, self._refused, self._active = collections.deque(), collections.deque(), {}
         self._free = list(range(1, spec.num_slots + 1))
         self._in_flight, self._history = None, collections.deque(maxlen=spec.lag)
-        self._host_busy, self._ready_at = collections.deque(maxlen=HOST_TURNS), None  # see host_seconds
+        # see host_seconds: host time of the last turns, when the last readout arrived, and the time
+        # waited for prefills since then
+        self._host_busy, self._ready_at, self._waited = collections.deque(maxlen=HOST_TURNS), None, 0.0
         self._next_id, self._news = 0, {}
         self.cache_config = spec.cache_config(window, jnp.dtype(target.dtype).name)
         self._step = jitted_step(window, mode, spec.max_top_k, impl, tuple(self.tier_tokens), self._switch)
@@ -430,7 +432,8 @@ class Engine:
     def host_seconds(self) -> float:
         """The host's own time a decoding turn: the median, over the last HOST_TURNS turns, of the
         time from one step's readout arriving to the host asking for the next one (emitting
-        tokens, the caller's work between turns, admitting, planning, dispatching); 0.0 before
+        tokens, the caller's work between turns, admitting, planning, dispatching), less the time
+        spent waiting for a prefill's first tokens (device time); 0.0 before
         HOST_TURNS // 2 turns. The loop keeps one step in flight, so a step costs at least this
         whatever its tier: the planner prices every tier at max(table, host_seconds), and
         verifies full blocks where the host alone takes the full block's time (a small model,
@@ -503,7 +506,7 @@ class Engine:
         if not self._active and self._in_flight is None:
             self._history.clear()
             self._free.sort()
-            self._ready_at = None  # the idle time before this turn is nobody's step
+            self._ready_at, self._waited = None, 0.0  # the idle time before this turn is nobody's step
         while self._refused:
             rid, error = self._refused.popleft()
             self._news[rid] = [[], False, GenerationResult(tokens=[], stats={}, error=error)]
@@ -578,7 +581,9 @@ class Engine:
         return joining, self._prefill_rows(tokens, lengths, slots, keys, sampling_rows)
 
     def _emit_first(self, joining, firsts):
-        first = np.concatenate([np.asarray(f) for f in firsts])
+        start = time.perf_counter()
+        first = np.concatenate([np.asarray(f) for f in firsts])  # waits for the prefill (and the step before)
+        self._waited += time.perf_counter() - start
         for req, tok in zip(joining, first):
             self._emit(req, tok)
 
@@ -658,9 +663,9 @@ class Engine:
         self.tier_counts[int(step_tier)] += 1
         start = time.perf_counter()
         if self._ready_at is not None:
-            self._host_busy.append(start - self._ready_at)
+            self._host_busy.append(start - self._ready_at - self._waited)
         emitted, accepted, verified, survival = split_readout(readout, self.window)  # waits for the step
-        self._ready_at = time.perf_counter()
+        self._ready_at, self._waited = time.perf_counter(), 0.0
         if self._plans_on_host:
             entry[1] = survival  # the host's tier choice reads these numpy survivals, no transfer
         # Python ints from here: numpy scalars per row and token cost 1.5-2x as much (at 64 rows

@@ -192,6 +192,39 @@ def test_engine_measures_its_host_time(model, table, prompts):
     assert trimmed["host-bound"] == 0 < trimmed["device-bound"], trimmed
 
 
+class _SlowFirst:
+    """A prefill's first tokens that take `delay` seconds to arrive on the host."""
+
+    def __init__(self, first, delay):
+        self.first, self.delay = first, delay
+
+    def copy_to_host_async(self):
+        pass
+
+    def __array__(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return np.asarray(self.first, *args, **kwargs)
+
+
+def test_host_time_leaves_out_waiting_for_prefills(model, table):
+    """Waiting for a prefill's first tokens is device time: with a 0.2 s wait at every join (short
+    requests joining every other turn) no turn's host time counts it."""
+    engine = _engine(model, table, "compact", "host", 5)
+    prefill = engine._prefill
+
+    def slow_prefill(*args):
+        state, first = prefill(*args)
+        return state, _SlowFirst(first, 0.2)
+
+    slow_prefill._cache_size = prefill._cache_size  # the engine counts its compiled programs
+    engine._prefill = slow_prefill
+    rng = np.random.default_rng(3)
+    results = engine.generate([list(rng.integers(0, 512, 5)) for _ in range(24)], max_new_tokens=2)
+    assert all(len(r.tokens) == 2 for r in results)
+    assert len(engine._host_busy) >= 8 and engine.host_seconds > 0.0
+    assert max(engine._host_busy) < 0.15, list(engine._host_busy)  # no turn counts a 0.2 s wait
+
+
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
 def test_switch_emits_the_host_tokens_and_compiles_once(model, table, prompts, mode):
     """Same tokens, per-step verified and accepted lengths and tier counts as the host dispatch,
