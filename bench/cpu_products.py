@@ -1,7 +1,7 @@
 """What an 8-token verify costs against a one-token decode on the host CPU: float32 products x @ W
 of one and eight rows over weights larger than the last-level cache.
 
-Per shape (K x N, `copies` distinct matrices summed in one jit so the set leaves the cache): the
+Per shape (K x N, `copies` distinct matrices multiplied in one jit so the set leaves the cache): the
 least wall time of --reps synchronised calls at 1 and 8 rows, the weight bytes read a second at one
 row (GB/s) and the arithmetic rate at eight (GFLOP/s), and their ratio (eight rows / one). A ratio
 near 1 means a verify of 8 tokens costs what a decode does (weight-bound: speculation pays); near
@@ -44,7 +44,8 @@ def main(args) -> int:
         row = {"k": k, "n": n, "copies": copies, "mb": 4 * k * n * copies / 1e6}
         for m in (1, 8):
             x = rng.standard_normal((m, k)).astype(np.float32)
-            got = product(jnp.asarray(x), on_device)
+            x_on_device = jnp.asarray(x)
+            got = product(x_on_device, on_device)
             for w, y in zip(weights, got):
                 want = x.astype(np.float64) @ w.astype(np.float64)
                 err = np.max(np.abs(np.asarray(y, np.float64) - want)) / np.max(np.abs(want))
@@ -52,7 +53,7 @@ def main(args) -> int:
             best = float("inf")
             for _ in range(2 if args.smoke else args.reps):
                 start = time.perf_counter()
-                jax.block_until_ready(product(jnp.asarray(x), on_device))
+                jax.block_until_ready(product(x_on_device, on_device))
                 best = min(best, time.perf_counter() - start)
             row[f"ms_{m}"] = 1e3 * best
         row["gb_s_1"] = row["mb"] / 1e3 / (row["ms_1"] / 1e3)

@@ -74,11 +74,10 @@ class TierPlanner:
         if not self.plans(old, steps_run):
             return self.tier_tokens[-1]
         n = sum(req is not None for req in rows)
-        tiers, budgets, costs, settled = self._ladder(n)
+        tiers, budgets, costs, full, settled = self._ladder(n)
         if settled is not None:  # the full block wins whatever the survivals: none read back
             return settled
         floor = float(np.float32(host_seconds))  # as the device's float32 cost matrix holds it
-        full = budgets.index(n * (self.window - 1))
         if floor >= costs[full]:  # host-bound: every tier costs the host's time
             return tiers[full]
         old_rows, old_survival = old
@@ -96,7 +95,8 @@ class TierPlanner:
     def _ladder(self, n: int):
         """At n active rows, over the tiers holding n rows, smallest first: (the tier each runs,
         its admissible draft budget min(tier - n, n (window - 1)), that budget's cost from
-        `_cost_matrix`), as lists, and the settled tier: the full block's tier where every budget
+        `_cost_matrix`), as lists, the index of the full block's budget n (window - 1) in them, and
+        the settled tier: the full block's tier where every budget
         that trims drafts costs strictly more than the full block (its rate tau(b) / c(b) is then
         below the full block's for any survivals, tau being non-decreasing), else None; a budget
         runs in the smallest tier holding n + budget tokens (`layout.tier_for`). A table flat
@@ -111,7 +111,7 @@ class TierPlanner:
             full = budgets.index(n * d)
             trims = [c for b, c in zip(budgets, ladder_costs) if b < n * d]
             settled = tiers[full] if all(c > ladder_costs[full] for c in trims) else None
-            self._ladders[n] = (tiers, budgets, ladder_costs, settled)
+            self._ladders[n] = (tiers, budgets, ladder_costs, full, settled)
         return self._ladders[n]
 
     def _cost_matrix(self):
