@@ -42,16 +42,31 @@ def add_common_args(ap, budget: bool = True) -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes: checks the script")
 
 
-def setup_jax(smoke: bool) -> None:
+def setup_jax(smoke: bool, *, require_gpu: bool | None = None) -> None:
     """Before JAX's first computation: the CPU for a smoke run (unless JAX_PLATFORMS says otherwise),
     no GPU memory preallocation (a torch or second JAX process may share the GPU), and the
-    repository root importable."""
+    repository root importable. Without preallocation XLA's allocator still stops at its memory
+    fraction, 75% of the GPU by default (60 GB of an H100, which the 64-layer 27B-shaped target's
+    57 GB of weights and its state overran), so that fraction is 0.95 unless XLA_CLIENT_MEM_FRACTION
+    (or its deprecated name, never both: the CUDA plugin then fails) is set. require_gpu (default:
+    not smoke): exit naming the backend where JAX has no GPU, as when its CUDA plugin failed to
+    start and JAX fell back to the CPU with only a warning, so no CPU timing passes for a GPU one."""
     if smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if "jax" in sys.modules:  # imported already: it read JAX_PLATFORMS then
             sys.modules["jax"].config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if "XLA_CLIENT_MEM_FRACTION" not in os.environ and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
+        os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
     sys.path.insert(0, ROOT)
+    if not smoke if require_gpu is None else require_gpu:
+        import jax
+
+        if jax.default_backend() != "gpu":
+            sys.exit(
+                f"{os.path.basename(sys.argv[0])}: JAX's backend is {jax.default_backend()!r}, not a GPU (see any "
+                "plugin error above); this benchmark times the GPU: run it with --smoke to check it on the CPU"
+            )
 
 
 def median_us(fn, *args, reps, inner=1):

@@ -521,7 +521,7 @@ def main(args):
     if args.no_command_buffers:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
         notes.append("command buffers off (--no-command-buffers): one launch per kernel")
-    benchutil.setup_jax(args.smoke)
+    benchutil.setup_jax(args.smoke, require_gpu=not (args.smoke or args.compile_only))
     import jax
 
     from jaxspec.engine import Engine
