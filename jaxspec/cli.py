@@ -616,6 +616,7 @@ def _profile(args, parser):
         table.save(args.out)
     for (batch, tokens), seconds in sorted(table.entries.items()):
         print(f"batch {batch:4d}  tokens {tokens:5d}  {seconds * 1e3:9.3f} ms")
+    print(f"noise {table.noise:.1%} (median slowest / fastest round - 1: a trim must save more)")
     return 0
 
 

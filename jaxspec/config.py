@@ -665,10 +665,11 @@ class SpecConfig:
     lag: steps between the survivals the host plans a budget with and the step it plans (>= 1:
         the host never waits for the step in flight).
     plan_overhead: a step that trims drafts (compact, cap-accept) is priced at its cost-table time
-        plus plan_overhead x the full block's time at the same rows: the survival read-back, the
-        device's sort and packing, and the profile's noise, none of which the table times. So a
-        trimmed tier must save more than this share to be chosen; where the table is flat (a
-        host-bound step) the planner verifies full blocks.
+        plus plan_overhead x the full block's time at the same rows (or the table's measured
+        noise x that time where larger, `CostTable.noise`): the survival read-back, the device's
+        sort and packing, and the profile's noise, none of which the table times. So a trimmed
+        tier must save more than this share to be chosen; where the table is flat (a host-bound
+        step) the planner verifies full blocks.
     num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
     refit_interval, first_refit: the estimator refits at steps first_refit * 2^j below
         refit_interval (4, 8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;

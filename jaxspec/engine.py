@@ -20,7 +20,6 @@ once at its end to warn.
 
 import collections
 import dataclasses
-import math
 import statistics
 import time
 import warnings
@@ -293,7 +292,9 @@ class Engine:
         larger (a small model) every tier costs about the same and the planner verifies full
         blocks. Each entry is the least of `rounds` such timings, taken in turn over a batch's
         tiers (round 1 over every tier, then round 2, ...), so a clock that ramps up or a
-        neighbour's burst does not land on one tier alone. The engine's state is reset.
+        neighbour's burst does not land on one tier alone; the table's metadata "noise" is the
+        median over entries of (slowest round / fastest round - 1) (`CostTable.noise`, 0.0 with one
+        round): the planner does not trim for a saving within it. The engine's state is reset.
         on_entry(batch, tier, seconds), if given, is called after each entry's last round (e.g. a
         progress bar)."""
         if self.proposer is None:
@@ -301,7 +302,7 @@ class Engine:
         for name, value in (("repeats", repeats), ("rounds", rounds)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
-        entries = {}
+        timings = collections.defaultdict(list)  # {(batch, tier): seconds of each round}
         calls = repeats + 1
         if prompt_len + calls * self.window > self.spec.max_len:
             raise ValueError(
@@ -320,12 +321,12 @@ class Engine:
                     for _ in range(repeats):
                         out = step()
                     jax.block_until_ready(out)
-                    seconds = (time.perf_counter() - start) / repeats
-                    entries[(batch, tier)] = min(seconds, entries.get((batch, tier), math.inf))
+                    timings[(batch, tier)].append((time.perf_counter() - start) / repeats)
                     if on_entry is not None and round_ == rounds - 1:
-                        on_entry(batch, tier, entries[(batch, tier)])
+                        on_entry(batch, tier, min(timings[(batch, tier)]))
         self.state = self._init_state()
-        return CostTable(entries)
+        noise = statistics.median(max(t) / min(t) - 1.0 for t in timings.values()) if timings else 0.0
+        return CostTable({key: min(t) for key, t in timings.items()}, {"noise": noise})
 
     def forced_lowerings(self, batch, tier, *, prompt_len=8, greedy=True, switch=False) -> dict:
         """What `forced_step(batch, tier, prompt_len=..., greedy=..., switch=...)` compiles, as

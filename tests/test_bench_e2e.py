@@ -169,6 +169,8 @@ def test_smoke_run_writes_results_and_plots(tmp_path):
     assert points[(1, "compact")]["not_below_others"] in (True, False)
     for lv in res["levels"]:
         assert lv["cost_table"]["profiled"] and os.path.isfile(lv["cost_table"]["path"])
+        saved = CostTable.load(lv["cost_table"]["path"])
+        assert lv["cost_table"]["noise"] == saved.noise >= 0  # the profile's noise, reported as saved
         assert lv["compile"] and all("error" not in v for v in lv["compile"].values()), lv["compile"]
         late = [name for name in lv["compiled_in_warm_up"] if "step" in name or "prefill" in name]
         assert not late, f"compiled after the ahead-of-time compilation: {late}"

@@ -156,8 +156,10 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
     table = CostTable.load(out)
     assert {b for b, _ in table.entries} == {1, 3} and not table.is_trivial
     assert all(t > 0 for t in table.entries.values())
-    progress = capsys.readouterr().err
+    printed = capsys.readouterr()
+    progress = printed.err
     assert f"{len(table.entries)}/{len(table.entries)}" in progress and "profile" in progress  # the tqdm bar
+    assert table.noise >= 0 and f"noise {table.noise:.1%}" in printed.out  # saved and printed
     argv = [
         "generate",
         "--target",

@@ -356,6 +356,58 @@ def test_flat_cost_table_verifies_full_blocks_through_the_tier_planner():
     assert picks[0.0] < ladder[-1]
 
 
+@pytest.mark.parametrize("noise", [0.0, 0.01, 0.1, 0.5])
+def test_trim_overhead_is_the_larger_of_plan_overhead_and_the_table_noise(noise):
+    """A trimmed budget pays max(plan_overhead, CostTable.noise) x the full block's time; a full
+    budget pays nothing."""
+    from jaxspec.spec.planner import trim_overhead
+
+    rng = np.random.default_rng(int(noise * 100))
+    rows, d = 5, 7
+    table = CostTable({(rows, t): float(rng.uniform(1e-3, 2e-3)) * t for t in (5, 13, 40)}, {"noise": noise})
+    full = table.step_time(rows, rows * (d + 1))
+    for overhead in (0.0, 0.03):
+        assert trim_overhead(table, rows, rows * d, d, overhead) == 0.0
+        assert trim_overhead(table, rows, rows * d - 1, d, overhead) == pytest.approx(max(overhead, noise) * full)
+        assert trim_overhead(table, rows, 0, d, overhead) == pytest.approx(max(overhead, noise) * full)
+
+
+def test_a_saving_within_the_profile_noise_is_not_trimmed():
+    """The host rule and the device rule (switch dispatch) keep the full block where the smaller tiers
+    save 7% (a noisy profile of a flat step, as an H100 tiny run measured at c = 16) and the table's
+    noise is 10%, and trim on the same survivals where its noise is 1%."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.step import device_tier
+    from jaxspec.tier_planner import TierPlanner
+
+    slots, block = 16, 8
+    ladder = tiers(slots, block)[0]
+    times = {t: 0.93e-3 for t in ladder[:-1]} | {ladder[-1]: 1.0e-3}
+    survival = np.cumprod(np.full((slots, block - 1), 0.2, np.float32), axis=1)
+    rows = [object() for _ in range(slots)]
+    spec = SpecConfig(verify_mode="compact", num_slots=slots, block_size=block)
+    for noise, trims in ((0.1, False), (0.01, True)):
+        table = CostTable({(slots, t): s for t, s in times.items()}, {"noise": noise})
+        planner = TierPlanner(spec, block, table)
+        host = planner.choose_tier(rows, (rows, jnp.asarray(survival)), 10**6)
+        plan = planner.device_plan(rows, (rows, jnp.asarray(survival)), 10**6)
+        device = ladder[int(device_tier(plan, jnp.ones(slots, bool), ladder, block - 1))]
+        assert host == device
+        assert (host < ladder[-1]) == trims, (noise, host)
+
+
+@pytest.mark.parametrize("noise", [-0.1, float("nan"), float("inf"), "5%", True])
+def test_bad_noise_is_refused_by_name(noise):
+    with pytest.raises(ValueError, match="noise"):
+        CostTable({(1, 1): 1e-3, (1, 8): 2e-3}, {"noise": noise})
+
+
+def test_noise_survives_save_and_load(tmp_path):
+    table = CostTable({(1, 1): 1e-3, (1, 8): 2e-3}, {"noise": 0.042})
+    table.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json").noise == 0.042
+
+
 class Unreadable:
     """Survivals the host must not read: converting them fails the test."""
 

@@ -285,6 +285,8 @@ def test_static_profile_times_the_full_tier_only(model, table):
     full = engine.tier_tokens[-1]
     assert sorted(costs.entries) == [(1, full), (SLOTS, full)]
     assert engine._step._cache_size() - before == 1
+    assert costs.metadata["noise"] == costs.noise >= 0  # three rounds: their spread
+    assert engine.profile([SLOTS], repeats=1, rounds=1).noise == 0.0  # one round: no spread to tell
 
 
 @pytest.mark.parametrize("mode", ["compact", "cap-accept"])
@@ -305,8 +307,8 @@ def test_profile_times_steps_back_to_back(model, table, monkeypatch):
     """Engine.profile times `repeats` calls run back to back with one synchronisation at the end
     (the pipelined loop's cost: the larger of the host's dispatch and the device's work), after a
     first call, in `rounds` rounds over the tiers in turn, and keeps each entry's least round:
-    a round slowed for every tier (here the first, by 0.2 s a call) does not set the table;
-    repeats or rounds < 1 is refused by name."""
+    a round slowed for every tier (here the first, by 0.2 s a call) does not set the table but
+    sets its noise; repeats or rounds < 1 is refused by name."""
     engine = _engine(model, table, "compact", "host", 4)  # tiers (3, 8, 12)
     syncs, order = [], []
     real_sync, real_forced_step = jax.block_until_ready, engine.forced_step
@@ -332,6 +334,8 @@ def test_profile_times_steps_back_to_back(model, table, monkeypatch):
     assert sorted(costs.entries) == [(SLOTS, t) for t in engine.tier_tokens]
     assert order == list(engine.tier_tokens) * 2  # round 1 over every tier, then round 2
     assert all(0 < seconds < 0.2 for seconds in costs.entries.values())  # round 2's, not the slowed round 1's
+    # noise: the median entry's slowest round / fastest - 1; the slowed round ran >= 0.2 s a call, the fast < 0.2 s
+    assert costs.noise > 1.0
     assert len(syncs) == 2 * 2 * len(engine.tier_tokens)  # per round: the first call, then one after the repeats
     for name in ("repeats", "rounds"):
         with pytest.raises(ValueError, match=name):

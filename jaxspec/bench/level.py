@@ -144,6 +144,7 @@ def run_level(workload, concurrency, cfg, settings, *, device, progress) -> dict
         if table is None:
             table, level["cost_table"]["seconds"] = _profile_table(compact[0], path, key, cfg)
         level["cost_table"]["entries"] = {f"{b}x{n}": v for (b, n), v in sorted(table.entries.items())}
+        level["cost_table"]["noise"] = table.noise
         for engine in compact:
             engine.cost_table = table
     points = []

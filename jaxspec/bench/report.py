@@ -110,7 +110,8 @@ def markdown(results) -> list[str]:
         table = (
             "–"
             if ct is None
-            else (f"profiled in {ct['seconds']:.1f} s" if ct["profiled"] else "reused") + f" ({ct['path']})"
+            else (f"profiled in {ct['seconds']:.1f} s" if ct["profiled"] else "reused")
+            + f", noise {ct.get('noise', 0.0):.1%} ({ct['path']})"
         )
         late = sum(
             len(r["compiles"]) for p in results["points"] if p["concurrency"] == lv["concurrency"] for r in p["repeats"]

@@ -51,7 +51,8 @@ class CostTable:
     token count: it `is_trivial`, and the planner then verifies everything.
 
     metadata: free-form JSON-able dict; `save` records `device` (the default JAX device, unless
-    given), `date` (UTC, ISO 8601, unless given) and `model` (when given).
+    given), `date` (UTC, ISO 8601, unless given) and `model` (when given). Its "noise", when
+    present, is the profile's own timing noise (`noise`).
     """
 
     def __init__(
@@ -76,6 +77,9 @@ class CostTable:
         for name, value in (("model", model), ("device", device), ("date", date)):
             if value is not None:
                 self.metadata[name] = value
+        noise = self.metadata.get("noise", 0.0)
+        if not (_is_real(noise) and math.isfinite(noise) and noise >= 0):
+            raise ValueError(f"CostTable: metadata noise={noise!r} must be a finite number >= 0")
         curves: dict[int, list[tuple[int, float]]] = {}
         for (batch, tokens), seconds in sorted(self.entries.items()):
             curves.setdefault(batch, []).append((tokens, seconds))
@@ -88,6 +92,15 @@ class CostTable:
     def is_trivial(self) -> bool:
         """A single probe or none: no cost model, verify everything."""
         return len(self.entries) <= 1
+
+    @property
+    def noise(self) -> float:
+        """The profile's timing noise, relative (metadata "noise", 0.0 where absent): the median over
+        entries of how far an entry's slowest round ran above its fastest (`Engine.profile`). Two
+        tiers whose times differ by less than this are not told apart by the table, so a trimmed
+        budget is priced at least this share of the full block above its table time
+        (`trim_overhead`)."""
+        return float(self.metadata.get("noise", 0.0))
 
     @property
     def batches(self) -> tuple[int, ...]:
@@ -163,6 +176,10 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
 def _default_device() -> str:
     try:
         import jax
@@ -221,11 +238,14 @@ def choose_budget(
 
 def trim_overhead(cost_table: CostTable, rows: int, budget: int, drafts_per_row: int, plan_overhead: float) -> float:
     """Seconds a step of `rows` requests pays beyond its table time for trimming drafts:
-    plan_overhead x the full block's step time (rows (drafts_per_row + 1) tokens) when budget <
-    rows x drafts_per_row, else 0 (`SpecConfig.plan_overhead`)."""
+    max(plan_overhead, the table's measured noise) x the full block's step time (rows
+    (drafts_per_row + 1) tokens) when budget < rows x drafts_per_row, else 0
+    (`SpecConfig.plan_overhead`, `CostTable.noise`): a trim must save more than what the table
+    cannot tell from noise."""
     if budget >= rows * drafts_per_row:
         return 0.0
-    return plan_overhead * cost_table.step_time(rows, rows * (drafts_per_row + 1))
+    share = max(plan_overhead, cost_table.noise)
+    return share * cost_table.step_time(rows, rows * (drafts_per_row + 1))
 
 
 def choose_tier(survival, active, costs, tiers, drafts_per_row):
