@@ -111,6 +111,20 @@ def jax_copy_bandwidth(reps=10, inner=10) -> tuple[float, float]:
     return 2 * x.nbytes / (us * 1e-6), us
 
 
+def gemm_throughput(reps=5, inner=4) -> tuple[float, float]:
+    """(FLOP/s, µs) of a jitted bfloat16 [n, n] @ [n, n] product with float32 accumulation, the
+    tensor cores' rate on the kind of GEMM a verify at many tokens runs (n = 8192 on the GPU, 256
+    elsewhere): `inner` back-to-back calls synchronised once, median over `reps`. The compute
+    floor of a step divides its FLOPs by it."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192 if jax.default_backend() == "gpu" else 256
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    us, _ = median_us(jax.jit(lambda x: x @ x), a, reps=reps, inner=inner)
+    return 2 * n**3 / (us * 1e-6), us
+
+
 def torch_copy_bandwidth(out_dir) -> float:
     """Time a 1 GiB float32 device-to-device torch copy (read + write counted) with triton's
     do_bench, write DIR/copy_bw_torch.json, and return the bandwidth in bytes/s."""

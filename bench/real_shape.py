@@ -44,7 +44,9 @@ XLA:CPU thunk events (`cpu_mapping_check`), which carry hlo_op / hlo_module.
 
 Floors (`step_floor`): the bytes a step must move through HBM / the copy bandwidth (torch copy when torch is
 installed, measured first in a subprocess; else the jitted JAX x+1 pass, which is slower: floors against it
-are optimistic for the step).
+are optimistic for the step). Compute floor (`step_flops`): the FLOPs a step must run / the run's own
+bf16 GEMM rate (`benchutil.gemm_throughput`, an 8192^3 product): above ~32 rows a verify's products
+are bound by the tensor cores, not the weight reads, and "/ bound" divides by the larger floor.
 
 Memory report: bytes of the weights (target, draft), KV cache, GDN checkpoints, ring, conv state and the
 draft's context cache at 64 slots x 8192 context for the whole --model target whatever --layers is
@@ -287,6 +289,44 @@ def step_floor(tc, dc, cache_cfg, *, batch, tokens, ctx, bandwidth):
         info["draft_logits"] = batch * (blk - 1) * tc.vocab_size * 4
     total = sum(terms.values())
     return {"terms": terms, "info": info, "bytes": total, "ms": total / bandwidth * 1e3}
+
+
+def step_flops(tc, dc, *, batch, tokens, ctx):
+    """Floating-point operations one engine step must run, by term: {"terms": {name: FLOPs}, "flops"}.
+
+    Same arguments as `step_floor`. A product of a row with a [K, N] matrix is 2 K N FLOPs.
+    Target:
+      target_products  every token through every layer's matrices and the lm_head (a mixture-of-
+                       experts layer: its top-k routed experts of E, besides the rest)
+      attention        per attention layer and token: scores and values over its context,
+                       4 x heads x head_dim x (ctx + the window so far)
+      gdn              per GDN layer and token: the state read by q and k and its rank-one update,
+                       6 x HV x K x V
+    Draft (spec step only):
+      draft_products   batch x block rows (anchor + masks) through the draft's matrices
+      draft_lm_head    batch x (block - 1) rows through the shared lm_head
+      draft_attention  per draft layer and row: 4 x heads x head_dim x (ctx + block)
+    Norms, activations, sampling and the fold are left out (a few FLOPs a byte moved)."""
+    pb = param_bytes(tc, dc, itemsize=1)  # itemsize 1: parameter counts
+    per_row = tokens / batch
+    layers = pb["target_layers"] - pb["routed_experts"] * (
+        1 - tc.num_experts_per_tok / tc.num_experts if tc.num_experts else 1
+    )
+    g, a = len(tc.gdn_layers), len(tc.attn_layers)
+    hv, kd, vd = tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim
+    terms = {
+        "target_products": 2 * tokens * (layers + pb["lm_head"]),
+        "attention": a * tokens * 4 * tc.num_attention_heads * tc.head_dim * (ctx + (per_row + 1) / 2),
+        "gdn": g * tokens * 6 * hv * kd * vd,
+    }
+    if dc is not None:
+        rows, draft_heads = batch * dc.block_size, dc.num_attention_heads * dc.head_dim
+        terms.update(
+            draft_products=2 * rows * pb["draft"],
+            draft_lm_head=2 * batch * (dc.block_size - 1) * pb["lm_head"],
+            draft_attention=dc.num_hidden_layers * rows * 4 * draft_heads * (ctx + dc.block_size),
+        )
+    return {"terms": terms, "flops": sum(terms.values())}
 
 
 def expert_share(tc, tokens):
@@ -576,17 +616,22 @@ def main(args):
     info["memory"] = mem
     print("\n".join(memory_lines(mem)), flush=True)
 
-    bw_src = bw = None
+    bw_src = bw = gemm_rate = None
     if not args.compile_only:  # floors only where steps are timed
         copies = benchutil.copy_bandwidths(args.out)
         bw_src, bw = benchutil.floor_bandwidth(copies)
-        info.update(copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()}, floor_bandwidth=bw_src)
+        gemm_rate = benchutil.gemm_throughput()[0]
+        info.update(
+            copy_TB_per_s={k: round(v / 1e12, 3) for k, v in copies.items()},
+            floor_bandwidth=bw_src,
+            gemm_TFLOP_per_s=round(gemm_rate / 1e12, 3),
+        )
         if bw_src != "torch copy":
             notes.append(
                 f"floors at the {bw_src} bandwidth ({bw / 1e12:.3f} TB/s; no torch copy measured): "
                 "optimistic for the step"
             )
-        print(json.dumps(info["copy_TB_per_s"]), flush=True)
+        print(json.dumps(info["copy_TB_per_s"]) + f"; bf16 GEMM {info['gemm_TFLOP_per_s']} TFLOP/s", flush=True)
 
     t = time.perf_counter()
 
@@ -642,6 +687,8 @@ def main(args):
         tokens = round(committed) if committed is not None else tier
         ctx = args.prompt_len + tokens / b * (args.reps + 1) / 2  # the mean context of the timed calls
         floor = step_floor(tc, dc if spec else None, engine.cache_config, batch=b, tokens=tokens, ctx=ctx, bandwidth=bw)
+        flops = step_flops(tc, dc if spec else None, batch=b, tokens=tokens, ctx=ctx)
+        compute_ms = flops["flops"] / gemm_rate * 1e3
         res = dict(
             tier=tier,
             ms=ms,
@@ -657,11 +704,15 @@ def main(args):
             floor_ratio=ms / floor["ms"],
             floor_terms_bytes=floor["terms"],
             floor_info_bytes=floor["info"],
+            compute_floor_ms=compute_ms,
+            compute_terms_flops=flops["terms"],
+            bound_ratio=ms / max(floor["ms"], compute_ms),
         )
         print(
             f"batch {b} {engine.spec.verify_mode} tier {tier}: {ms:.3f} ms (compile {fmt_s(pre.get('compile_s'))}, "
             f"first call {first_s:.1f} s, tokens/step {committed}); "
-            + floor_line(f"{engine.spec.verify_mode} b{b}", floor, bw),
+            + floor_line(f"{engine.spec.verify_mode} b{b}", floor, bw)
+            + f"; compute floor {flops['flops'] / 1e12:.2f} TFLOP = {compute_ms:.3f} ms",
             flush=True,
         )
         if trace and args.trace_calls > 0:
@@ -938,13 +989,15 @@ def markdown(info, rows, mem, bw_src, bw):
     if info["notes"]:
         lines += [f"- {x}" for x in info["notes"]] + [""]
     lines += [
-        "## steps (wall ms a synchronised step, median; floor: HBM bytes / copy bandwidth; spec full = "
-        "static, every row verifies its block; compact tier t verifies t tokens; breakdown: GPU busy ms "
-        "of the spec full step by engine scope)",
+        "## steps (wall ms a synchronised step, median; floor: HBM bytes / copy bandwidth; compute: the "
+        "step's FLOPs / the run's bf16 GEMM rate (`step_flops`), and / bound: the wall over the larger of "
+        "the two floors; spec full = static, every row verifies its block; compact tier t verifies t "
+        "tokens; breakdown: GPU busy ms of the spec full step by engine scope)",
         "",
         "| batch | none ms | none floor ms | none / floor | spec tier → ms | spec full ms | spec floor ms "
-        "| spec / floor | spec / none | spec busy ms | breakdown ms (spec full) | none busy ms | made |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| spec / floor | compute floor ms none / spec | / bound none / spec | spec / none | spec busy ms "
+        "| breakdown ms (spec full) | none busy ms | made |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows.values():
         n, s = r["none"], r["spec_full"]
@@ -954,6 +1007,8 @@ def markdown(info, rows, mem, bw_src, bw):
         lines.append(
             f"| {r['batch']} | {fmt(n and n['ms'])} | {fmt(n and n['floor_ms'])} | {fmt(n and n['floor_ratio'], 2)} "
             f"| {tiers} | {fmt(s and s['ms'])} | {fmt(s and s['floor_ms'])} | {fmt(s and s['floor_ratio'], 2)} "
+            f"| {fmt(n and n.get('compute_floor_ms'))} / {fmt(s and s.get('compute_floor_ms'))} "
+            f"| {fmt(n and n.get('bound_ratio'), 2)} / {fmt(s and s.get('bound_ratio'), 2)} "
             f"| {fmt(s['ms'] / n['ms'] if s and n else None, 2)} | {fmt(sg and sg['busy_ms'])} | {brk} "
             f"| {fmt(ng and ng['busy_ms'])} | {r['date']} |"
         )

@@ -75,6 +75,32 @@ def test_moe_floors_count_the_experts_a_step_hits():
     assert rs.expert_share(dense, 64) == 0.0
 
 
+def test_compute_floor_counts_each_token_through_the_weights():
+    """step_flops: 2 FLOPs per weight per token through the target (27B: all but the embedding; the
+    35B-A3B: only its top-8 routed experts of 256, ~3B active), the draft's block rows through the draft
+    and its block - 1 rows through the lm_head, and attention growing with the context."""
+    rs = _bench_module()
+    from jaxspec.bench import shapes
+
+    tshape, dshape = shapes.shapes_of("qwen3.5-27b")
+    tc = shapes.target_config(tshape, tshape["layers"])
+    dc = shapes.draft_config(dshape, tc, 8)
+    total = qwen35_27b_params()
+    embed = tc.vocab_size * tc.hidden_size
+    none = rs.step_flops(tc, None, batch=4, tokens=4, ctx=0)
+    assert set(none["terms"]) == {"target_products", "attention", "gdn"}
+    assert abs(none["terms"]["target_products"] - 2 * 4 * (total - embed)) <= 0.01 * 2 * 4 * total
+    spec = rs.step_flops(tc, dc, batch=4, tokens=32, ctx=0)
+    assert spec["terms"]["target_products"] == pytest.approx(8 * none["terms"]["target_products"])
+    assert spec["terms"]["draft_lm_head"] == 2 * 4 * 7 * embed  # the lm_head is [hidden, vocab] like the embedding
+    longer = rs.step_flops(tc, dc, batch=4, tokens=32, ctx=4096)
+    assert longer["terms"]["attention"] > spec["terms"]["attention"] and longer["flops"] > spec["flops"]
+    assert spec["flops"] == sum(spec["terms"].values())
+    moe = shapes.target_config(shapes.shapes_of("qwen3.5-35b-a3b")[0], 40)
+    active = rs.step_flops(moe, None, batch=1, tokens=1, ctx=0)["terms"]["target_products"] / 2
+    assert 2.5e9 < active < 4e9, active  # A3B: ~3B parameters a token
+
+
 @pytest.mark.parametrize(
     "model,layers,params,billions",
     [
@@ -97,6 +123,8 @@ def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
             assert math.isfinite(res["ms"]) and res["ms"] > 0
             assert math.isfinite(res["floor_ms"]) and res["floor_ms"] > 0
             assert all(v > 0 for v in res["floor_terms_bytes"].values())
+            assert res["compute_floor_ms"] > 0 and all(v > 0 for v in res["compute_terms_flops"].values())
+            assert res["bound_ratio"] == pytest.approx(res["ms"] / max(res["floor_ms"], res["compute_floor_ms"]))
             assert res["gpu"] is None  # no GPU kernels in a CPU trace: no breakdown
             check = res["cpu_mapping_check"]  # the kernel -> scope mapping on XLA:CPU thunks
             assert check and check["by_scope"].get("verify", 0) > 0 and "hlo_op" in check["stats"]
@@ -120,6 +148,7 @@ def test_smoke_run_writes_report(tmp_path, model, layers, params, billions):
     table = md[md.index("| batch | none ms") :].splitlines()
     assert [ln.split("|")[1].strip() for ln in table[2:4]] == ["1", "2"]
     assert f"## memory at {layers} layers" in md
+    assert report["gemm_TFLOP_per_s"] > 0 and "| compute floor ms none / spec |" in md
 
 
 def test_smoke_sampled_times_the_sampling_step(tmp_path):
