@@ -315,6 +315,10 @@ def test_bad_arguments_are_one_line_naming_them(draft_dir, tmp_path):
         ),
         (["train", "target", "--out", str(tmp_path / "a-file" / "run")], ["argument --out:", "a-file"]),
         (
+            ["bench", "--workload", "real-shape", "--out", str(tmp_path / "rs")],
+            ["argument --workload:", "real-shape", "backend is 'cpu'"],
+        ),
+        (
             ["estimator", str(tmp_path / "trace.npz"), "--plot", "/nonexistent/dir/plot.png"],
             ["argument --plot:", "/nonexistent/dir"],
         ),

@@ -319,6 +319,13 @@ def run(args, parser, argv) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
     dev = jax.devices()[0]
+    if cfg["workload"] == "real-shape" and not cfg["smoke"] and dev.platform == "cpu":
+        # a CUDA plugin that fails to start (e.g. two memory-fraction variables set) leaves JAX on
+        # the CPU with only a warning: refuse rather than time 27B-scale steps there
+        parser.error(
+            "argument --workload: real-shape times Qwen3.5-27B-scale steps on a GPU and JAX's backend is 'cpu' "
+            "(see any plugin error above); --smoke runs its toy shapes on the CPU"
+        )
     device = f"{dev.platform}:{dev.device_kind}" + (f" x {cfg['tp']}" if cfg["tp"] > 1 else "")
     work = _workload(cfg, args)
     from jaxspec import parallel
