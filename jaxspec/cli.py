@@ -128,6 +128,14 @@ def _parser():
     prof.add_argument("--num-slots", type=positive_int("--num-slots"), default=8)
     prof.add_argument("--max-len", type=positive_int("--max-len"), default=256)
     prof.add_argument("--repeats", type=positive_int("--repeats"), default=10)
+    prof.add_argument(
+        "--block-size",
+        type=bounded("--block-size", int, "an int", "in 2..64", lambda v: 2 <= v <= 64),
+        help="verify window to profile, as `generate --block-size` (default: the draft's block)",
+    )
+    prof.add_argument(
+        "--trim-draft", action="store_true", help="profile the trimmed draft forward, as `generate --trim-draft`"
+    )
     prof.add_argument("--out", required=True, help="cost table JSON to write")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     from jaxspec.bench import sweep
@@ -499,6 +507,8 @@ def _generate(args, parser):
         )
         engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
         _check_lengths(parser, args, prompts, engine.window)
+        if table is not None and mode in ("cap-accept", "compact"):  # the modes that plan from it
+            _check_table_matches(parser, table, engine.window, spec.trim_draft)
         run = lambda: engine.generate(
             prompts,
             max_new_tokens=args.max_new_tokens,
@@ -571,6 +581,21 @@ def _device_name(tp: int = 1) -> str:
     return device.device_kind if tp == 1 else f"{tp} x {device.device_kind}"
 
 
+def _check_table_matches(parser, table, window, trim_draft):
+    """A cost table `jaxspec profile` wrote records the verify window and draft forward it timed:
+    another window or forward costs otherwise, so the table is refused (tables without the record,
+    written elsewhere, are taken as they are)."""
+    timed_window, timed_trim = table.metadata.get("window"), table.metadata.get("trim_draft")
+    if timed_window is not None and timed_window != window:
+        parser.error(
+            f"argument --cost-table: profiled with verify windows of {timed_window} tokens, this run verifies "
+            f"{window} (profile with --block-size {window})"
+        )
+    if timed_trim is not None and bool(timed_trim) != trim_draft:
+        with_ = lambda on: "with" if on else "without"
+        parser.error(f"argument --cost-table: profiled {with_(timed_trim)} --trim-draft, this run {with_(trim_draft)}")
+
+
 def _profile(args, parser):
     from tqdm.auto import tqdm
 
@@ -595,7 +620,16 @@ def _profile(args, parser):
         target = load_target(args.target)
     with parser.blame("--draft"):
         draft = load_draft(args.draft, target)
-    engine = Engine(target, draft, SpecConfig(verify_mode="compact", num_slots=args.num_slots, max_len=args.max_len))
+    if args.block_size is not None and args.block_size > draft.config.block_size:
+        parser.error(f"argument --block-size: {args.block_size} exceeds the draft's block of {draft.config.block_size}")
+    spec = SpecConfig(
+        verify_mode="compact",
+        num_slots=args.num_slots,
+        max_len=args.max_len,
+        block_size=args.block_size,
+        trim_draft=args.trim_draft,
+    )
+    engine = Engine(target, draft, spec)
     prompt_len = 8
     need = prompt_len + (args.repeats + 1) * engine.window
     if need > args.max_len:
@@ -611,7 +645,9 @@ def _profile(args, parser):
             bar.update(1)
 
         table = engine.profile(batches, repeats=args.repeats, prompt_len=prompt_len, on_entry=progress)
-    table.metadata["model"] = os.path.basename(os.path.normpath(args.target))
+    table.metadata.update(
+        model=os.path.basename(os.path.normpath(args.target)), window=engine.window, trim_draft=args.trim_draft
+    )
     with parser.blame("--out"):
         table.save(args.out)
     for (batch, tokens), seconds in sorted(table.entries.items()):

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import jaxspec
 from jaxspec import cli, dflash
 from jaxspec.config import DraftConfig
+from jaxspec.spec.planner import CostTable
 
 ROOT = Path(__file__).parent.parent
 FIXTURE = str(Path(__file__).parent / "fixtures" / "tiny-qwen3_5")
@@ -147,6 +148,9 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
                 "64",
                 "--repeats",
                 "2",
+                "--block-size",
+                "3",
+                "--trim-draft",
                 "--out",
                 out,
             ]
@@ -154,6 +158,7 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
         == 0
     )
     table = CostTable.load(out)
+    assert table.metadata["window"] == 3 and table.metadata["trim_draft"] is True  # what was timed
     assert {b for b, _ in table.entries} == {1, 3} and not table.is_trivial
     assert all(t > 0 for t in table.entries.values())
     printed = capsys.readouterr()
@@ -174,6 +179,9 @@ def test_profile_writes_a_cost_table_that_generate_reads(draft_dir, tmp_path, ca
         "compact",
         "--cost-table",
         out,
+        "--block-size",
+        "3",
+        "--trim-draft",
         "--json",
     ]
     assert cli.main(argv) == 0
@@ -296,6 +304,9 @@ def test_bad_arguments_are_one_line_naming_them(draft_dir, tmp_path):
     (tmp_path / "costs.json").write_text("not json")
     (tmp_path / "a-file").write_text("")
     gen = ["generate", "--target", FIXTURE, "--verify-mode", "none"]
+    compact = ["generate", "--target", FIXTURE, "--draft", draft_dir, "--verify-mode", "compact", "--prompt", "ab"]
+    for name, window, trimmed in (("w3.json", 3, False), ("w4-trimmed.json", 4, True)):
+        CostTable({(1, 1): 1e-3, (1, window): 2e-3}, {"window": window, "trim_draft": trimmed}).save(tmp_path / name)
     cases = [
         (gen + ["--prompt", os.fsdecode(b"ab\xff")], ["argument --prompt:", "prompt 0", "UTF-8"]),
         (
@@ -314,6 +325,14 @@ def test_bad_arguments_are_one_line_naming_them(draft_dir, tmp_path):
             ["argument --out:", "/nonexistent/dir"],
         ),
         (["train", "target", "--out", str(tmp_path / "a-file" / "run")], ["argument --out:", "a-file"]),
+        (
+            compact + ["--cost-table", str(tmp_path / "w3.json")],
+            ["argument --cost-table:", "windows of 3 tokens", "this run verifies 4"],
+        ),
+        (
+            compact + ["--cost-table", str(tmp_path / "w4-trimmed.json")],
+            ["argument --cost-table:", "profiled with --trim-draft", "this run without"],
+        ),
         (
             ["bench", "--workload", "real-shape", "--out", str(tmp_path / "rs")],
             ["argument --workload:", "real-shape", "backend is 'cpu'"],
