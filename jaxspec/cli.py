@@ -505,10 +505,11 @@ def _generate(args, parser):
             trim_draft=args.trim_draft and mode != "none",
             tp=args.tp,
         )
-        engine = Engine(target, engine_draft, spec, tokenizer=tokenizer, cost_table=table)
+        engine = Engine(target, engine_draft, spec, tokenizer=tokenizer)
         _check_lengths(parser, args, prompts, engine.window)
         if table is not None and mode in ("cap-accept", "compact"):  # the modes that plan from it
             _check_table_matches(parser, table, engine.window, spec.trim_draft)
+        engine.cost_table = table
         run = lambda: engine.generate(
             prompts,
             max_new_tokens=args.max_new_tokens,
@@ -583,8 +584,8 @@ def _device_name(tp: int = 1) -> str:
 
 def _check_table_matches(parser, table, window, trim_draft):
     """A cost table `jaxspec profile` wrote records the verify window and draft forward it timed:
-    another window or forward costs otherwise, so the table is refused (tables without the record,
-    written elsewhere, are taken as they are)."""
+    another window or forward costs otherwise, so the table is refused as `TierPlanner.cost_table`
+    would, as a one-line argument error (tables without the record are taken as they are)."""
     timed_window, timed_trim = table.metadata.get("window"), table.metadata.get("trim_draft")
     if timed_window is not None and timed_window != window:
         parser.error(
@@ -645,9 +646,7 @@ def _profile(args, parser):
             bar.update(1)
 
         table = engine.profile(batches, repeats=args.repeats, prompt_len=prompt_len, on_entry=progress)
-    table.metadata.update(
-        model=os.path.basename(os.path.normpath(args.target)), window=engine.window, trim_draft=args.trim_draft
-    )
+    table.metadata["model"] = os.path.basename(os.path.normpath(args.target))
     with parser.blame("--out"):
         table.save(args.out)
     for (batch, tokens), seconds in sorted(table.entries.items()):

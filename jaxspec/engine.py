@@ -294,7 +294,8 @@ class Engine:
         tiers (round 1 over every tier, then round 2, ...), so a clock that ramps up or a
         neighbour's burst does not land on one tier alone; the table's metadata "noise" is the
         median over entries of (slowest round / fastest round - 1) (`CostTable.noise`, 0.0 with one
-        round): the planner does not trim for a saving within it. The engine's state is reset.
+        round): the planner does not trim for a saving within it; "window" and "trim_draft" record
+        the step timed (a planner refuses the table for another). The engine's state is reset.
         on_entry(batch, tier, seconds), if given, is called after each entry's last round (e.g. a
         progress bar)."""
         if self.proposer is None:
@@ -326,7 +327,8 @@ class Engine:
                         on_entry(batch, tier, min(timings[(batch, tier)]))
         self.state = self._init_state()
         noise = statistics.median(max(t) / min(t) - 1.0 for t in timings.values()) if timings else 0.0
-        return CostTable({key: min(t) for key, t in timings.items()}, {"noise": noise})
+        metadata = {"noise": noise, "window": self.window, "trim_draft": self.spec.trim_draft}
+        return CostTable({key: min(t) for key, t in timings.items()}, metadata)
 
     def forced_lowerings(self, batch, tier, *, prompt_len=8, greedy=True, switch=False) -> dict:
         """What `forced_step(batch, tier, prompt_len=..., greedy=..., switch=...)` compiles, as

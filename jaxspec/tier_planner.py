@@ -35,9 +35,33 @@ class TierPlanner:
     """
 
     def __init__(self, spec: SpecConfig, window: int, cost_table: CostTable | None = None):
-        self.spec, self.window, self.cost_table = spec, window, cost_table
+        self.spec, self.window = spec, window
+        self.cost_table = cost_table
         self.tier_tokens, _ = layout.tiers(spec.num_slots, window, spec.num_tiers)
         self._costs, self._ladders = None, {}  # (cost table, *`_cost_matrix`), {n: `_ladder(n)`}
+
+    @property
+    def cost_table(self) -> CostTable | None:
+        """The profiled costs (assignable). In the modes that plan from it (cap-accept, compact) a
+        table whose metadata records the verify window or the draft forward it was timed with
+        (`Engine.profile`: "window", "trim_draft") must match this planner's: a step of another
+        window or draft forward costs otherwise."""
+        return self._cost_table
+
+    @cost_table.setter
+    def cost_table(self, table: CostTable | None):
+        plans = table is not None and self.spec.verify_mode in ("cap-accept", "compact")  # the modes that read it
+        timed_window = table.metadata.get("window") if plans else None
+        timed_trim = table.metadata.get("trim_draft") if plans else None
+        if timed_window is not None and timed_window != self.window:
+            raise ValueError(
+                f"cost_table: profiled with verify windows of {timed_window} tokens, this engine verifies {self.window}"
+            )
+        if timed_trim is not None and bool(timed_trim) != self.spec.trim_draft:
+            raise ValueError(
+                f"cost_table: profiled with trim_draft={bool(timed_trim)}, this engine has {self.spec.trim_draft}"
+            )
+        self._cost_table = table
 
     @functools.cached_property
     def warmup_steps(self) -> int:

@@ -402,6 +402,32 @@ def test_bad_noise_is_refused_by_name(noise):
         CostTable({(1, 1): 1e-3, (1, 8): 2e-3}, {"noise": noise})
 
 
+def test_a_table_timed_for_another_window_or_draft_forward_is_refused():
+    """A planning engine (compact, cap-accept) refuses a table whose metadata records another verify
+    window or draft forward than its own, at construction and on assignment; static keeps any table
+    (it plans nothing from it), and a table without the record is taken as it is."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.tier_planner import TierPlanner
+
+    entries = {(4, 4): 1e-3, (4, 32): 2e-3}
+    spec = SpecConfig(verify_mode="compact", num_slots=4, block_size=8, trim_draft=True)
+    good = CostTable(entries, {"window": 8, "trim_draft": True})
+    assert TierPlanner(spec, 8, good).cost_table is good
+    assert TierPlanner(spec, 8, CostTable(entries)).cost_table is not None
+    for metadata, needle in (
+        ({"window": 16}, "verify windows of 16 tokens"),
+        ({"trim_draft": False}, "trim_draft=False"),
+    ):
+        with pytest.raises(ValueError, match=f"cost_table: profiled with {needle}"):
+            TierPlanner(spec, 8, CostTable(entries, metadata))
+        planner = TierPlanner(spec, 8)
+        with pytest.raises(ValueError, match="cost_table"):
+            planner.cost_table = CostTable(entries, metadata)
+        assert planner.cost_table is None  # refused, not half-assigned
+        static = SpecConfig(verify_mode="static", num_slots=4, block_size=8, trim_draft=True)
+        assert TierPlanner(static, 8, CostTable(entries, metadata)).cost_table is not None
+
+
 def test_noise_survives_save_and_load(tmp_path):
     table = CostTable({(1, 1): 1e-3, (1, 8): 2e-3}, {"noise": 0.042})
     table.save(tmp_path / "t.json")

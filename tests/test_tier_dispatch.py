@@ -286,6 +286,7 @@ def test_static_profile_times_the_full_tier_only(model, table):
     assert sorted(costs.entries) == [(1, full), (SLOTS, full)]
     assert engine._step._cache_size() - before == 1
     assert costs.metadata["noise"] == costs.noise >= 0  # three rounds: their spread
+    assert costs.metadata["window"] == engine.window and costs.metadata["trim_draft"] is False  # the step timed
     assert engine.profile([SLOTS], repeats=1, rounds=1).noise == 0.0  # one round: no spread to tell
 
 
