@@ -59,7 +59,9 @@ def setup_jax(smoke: bool, *, require_gpu: bool | None = None) -> None:
     if "XLA_CLIENT_MEM_FRACTION" not in os.environ and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
         os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.95"
     sys.path.insert(0, ROOT)
-    if not smoke if require_gpu is None else require_gpu:
+    if require_gpu is None:
+        require_gpu = not smoke
+    if require_gpu:
         import jax
 
         if jax.default_backend() != "gpu":

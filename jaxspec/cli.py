@@ -583,18 +583,23 @@ def _device_name(tp: int = 1) -> str:
 
 
 def _check_table_matches(parser, table, window, trim_draft):
-    """A cost table `jaxspec profile` wrote records the verify window and draft forward it timed:
-    another window or forward costs otherwise, so the table is refused as `TierPlanner.cost_table`
-    would, as a one-line argument error (tables without the record are taken as they are)."""
-    timed_window, timed_trim = table.metadata.get("window"), table.metadata.get("trim_draft")
-    if timed_window is not None and timed_window != window:
+    """`TierPlanner.cost_table`'s refusal of a table `jaxspec profile` timed for another verify
+    window or draft forward, as a one-line argument error naming the flags (tables without the
+    record are taken as they are)."""
+    from jaxspec.tier_planner import timed_for_another_step
+
+    field = timed_for_another_step(table, window, trim_draft)
+    if field == "window":
         parser.error(
-            f"argument --cost-table: profiled with verify windows of {timed_window} tokens, this run verifies "
-            f"{window} (profile with --block-size {window})"
+            f"argument --cost-table: profiled with verify windows of {table.metadata['window']} tokens, this run "
+            f"verifies {window} (profile with --block-size {window})"
         )
-    if timed_trim is not None and bool(timed_trim) != trim_draft:
+    if field == "trim_draft":
         with_ = lambda on: "with" if on else "without"
-        parser.error(f"argument --cost-table: profiled {with_(timed_trim)} --trim-draft, this run {with_(trim_draft)}")
+        parser.error(
+            f"argument --cost-table: profiled {with_(table.metadata['trim_draft'])} --trim-draft, this run "
+            f"{with_(trim_draft)}"
+        )
 
 
 def _profile(args, parser):

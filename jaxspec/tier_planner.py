@@ -18,6 +18,18 @@ from jaxspec.spec.planner import CostTable, trim_overhead
 from jaxspec.step import DevicePlan
 
 
+def timed_for_another_step(table: CostTable, window: int, trim_draft: bool) -> str | None:
+    """The field of `table.metadata` ("window", then "trim_draft", as `Engine.profile` records them)
+    whose value differs from a step of `window` tokens with this draft forward, or None (they
+    match, or the table does not record them)."""
+    timed_window, timed_trim = table.metadata.get("window"), table.metadata.get("trim_draft")
+    if timed_window is not None and timed_window != window:
+        return "window"
+    if timed_trim is not None and bool(timed_trim) != trim_draft:
+        return "trim_draft"
+    return None
+
+
 class TierPlanner:
     """The verify tier of each step, model-free: chosen on the host (tier_dispatch "host",
     `choose_tier`) or handed to the device as a DevicePlan (tier_dispatch "switch",
@@ -50,17 +62,18 @@ class TierPlanner:
 
     @cost_table.setter
     def cost_table(self, table: CostTable | None):
-        plans = table is not None and self.spec.verify_mode in ("cap-accept", "compact")  # the modes that read it
-        timed_window = table.metadata.get("window") if plans else None
-        timed_trim = table.metadata.get("trim_draft") if plans else None
-        if timed_window is not None and timed_window != self.window:
-            raise ValueError(
-                f"cost_table: profiled with verify windows of {timed_window} tokens, this engine verifies {self.window}"
-            )
-        if timed_trim is not None and bool(timed_trim) != self.spec.trim_draft:
-            raise ValueError(
-                f"cost_table: profiled with trim_draft={bool(timed_trim)}, this engine has {self.spec.trim_draft}"
-            )
+        if table is not None and self.spec.verify_mode in ("cap-accept", "compact"):  # the modes that read it
+            field = timed_for_another_step(table, self.window, self.spec.trim_draft)
+            if field == "window":
+                raise ValueError(
+                    f"cost_table: profiled with verify windows of {table.metadata['window']} tokens, this engine "
+                    f"verifies {self.window}"
+                )
+            if field == "trim_draft":
+                raise ValueError(
+                    f"cost_table: profiled with trim_draft={bool(table.metadata['trim_draft'])}, this engine has "
+                    f"{self.spec.trim_draft}"
+                )
         self._cost_table = table
 
     @functools.cached_property
