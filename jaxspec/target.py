@@ -66,19 +66,35 @@ def init_target(config: TargetConfig, key, dtype=jnp.float32, *, stacked=False, 
     paths, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(paths))
 
-    def make(path, shape, k):
-        name = jax.tree_util.keystr(path[-1:])
-        if name == "['A_log']":
-            return jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
-        if name == "['norm']" and path[-2:-1] and jax.tree_util.keystr(path[-2:-1]) == "['gdn']":
-            return jnp.ones(shape)
-        if len(shape) == 1:
-            return jnp.zeros(shape)
-        return jax.random.normal(k, shape) * shape[-1 if name == "['conv']" else -2] ** -0.5
-
-    leaves = [make(p, s, k).astype(dtype) for (p, s), k in zip(paths, keys)]
+    leaves = [_init_leaf(k, _leaf_kind(p), s, dtype) for (p, s), k in zip(paths, keys)]
     target = Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config)
     return _maybe_stacked(_maybe_fused(target, fused), stacked)
+
+
+def _leaf_kind(path) -> str:
+    """Which initialiser `init_target` gives the leaf at `path`."""
+    name = jax.tree_util.keystr(path[-1:])
+    if name == "['A_log']":
+        return "A_log"
+    if name == "['norm']" and path[-2:-1] and jax.tree_util.keystr(path[-2:-1]) == "['gdn']":
+        return "ones"
+    return "conv" if name == "['conv']" else "matrix"
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _init_leaf(key, kind: str, shape: tuple, dtype):
+    """One random leaf, drawn in float32 and cast inside one program: only the `dtype` result reaches
+    device memory. (Drawn op by op, each leaf's float32 draw is a buffer of its own, and asynchronous
+    dispatch lets the draws of many leaves be alive at once: at 27B scale that overran an 80 GB GPU.)"""
+    if kind == "A_log":
+        leaf = jnp.log(jax.random.uniform(key, shape, minval=1.0, maxval=16.0))
+    elif kind == "ones":
+        leaf = jnp.ones(shape)
+    elif len(shape) == 1:
+        leaf = jnp.zeros(shape)
+    else:
+        leaf = jax.random.normal(key, shape) * shape[-1 if kind == "conv" else -2] ** -0.5
+    return leaf.astype(dtype)
 
 
 def _maybe_fused(target: Target, fuse: bool) -> Target:
