@@ -2,7 +2,8 @@
 
 Per decode step the engine runs, inside its jitted step: `features(draft_logits, temperature)`
 (x = logit(q_max) per draft position: reads the draft logits [B, P, V]), `predict` (p and survival
-[B, P]) and `observe` (the Newton statistics; a refit under lax.cond every refit_interval calls).
+[B, P], each row with its slot's request history) and `observe` (the Newton statistics, a refit
+selected every refit_interval calls, the slots' histories).
 This script times that work inside one jitted function: a lax.scan of --steps steps with the
 estimator state carried, so launch gaps between steps are the device's own (no host dispatch per
 step); per step = wall time of the scan (CUDA-synchronised, jax.block_until_ready) / steps, the
@@ -123,8 +124,8 @@ def main(args):
         the features out of the scan), up to --rotate-mib in all."""
         return int(max(2, min(steps, math.ceil(args.rotate_mib * 2**20 / nbytes))))
 
-    def est_state(p, interval):
-        return est.init(p, refit_interval=interval)
+    def est_state(p, interval, b):
+        return est.init(p, refit_interval=interval, num_slots=b)
 
     def labels(key, n_sets, b, p):
         kv, ka = jax.random.split(key)
@@ -186,6 +187,7 @@ def main(args):
 
     temp = args.temperature
     for b in [int(x) for x in args.batches.split(",")]:
+        slots = jnp.arange(1, b + 1, dtype=jnp.int32)  # every row its own slot's history
         for p in [int(x) for x in args.positions.split(",")]:
             if over_budget():
                 break
@@ -206,15 +208,15 @@ def main(args):
 
             for obs_impl in args.observe_impls.split(","):
 
-                def po(state, xs, obs_impl=obs_impl):
+                def po(state, xs, obs_impl=obs_impl, slots=slots):
                     xk, ver, acc = xs
-                    _, s = est.predict(state, xk)
-                    state = est.observe(state, xk, ver, acc, impl=obs_impl)
+                    _, s = est.predict(state, xk, slots)
+                    state = est.observe(state, xk, ver, acc, slots, impl=obs_impl)
                     # the survival is an output of the real step: keep it live
                     return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
 
                 times = {
-                    interval: scan_us(po, est_state(p, interval), (x, verified, accepted))
+                    interval: scan_us(po, est_state(p, interval, b), (x, verified, accepted))
                     for interval in (10**9, args.refit_interval, 1)
                 }
                 tag = "" if obs_impl == "ref" else f" (observe {obs_impl})"
@@ -248,11 +250,11 @@ def main(args):
                 def feat(acc, xs):
                     return acc + jnp.sum(est.features(xs, temperature))
 
-                def full(state, xs):
+                def full(state, xs, slots=slots):
                     lg, ver, acc = xs
                     xk = est.features(lg, temperature)
-                    _, s = est.predict(state, xk)
-                    state = est.observe(state, xk, ver, acc)
+                    _, s = est.predict(state, xk, slots)
+                    state = est.observe(state, xk, ver, acc, slots)
                     return state.replace(h_xx=state.h_xx + 0.0 * s[0, -1])
 
                 if vocab == args.vocab:
@@ -266,7 +268,7 @@ def main(args):
                         us_plain=scan_us(feat, jnp.zeros((), jnp.float32), logits),
                     )
                 times = {
-                    interval: scan_us(full, est_state(p, interval), (logits, verified, accepted))
+                    interval: scan_us(full, est_state(p, interval, b), (logits, verified, accepted))
                     for interval in (10**9, args.refit_interval)
                 }
                 add(
@@ -304,7 +306,7 @@ def main(args):
                         vocab=vocab,
                         sets=n_sets,
                         floor_us=floor_us,
-                        us_plain=scan_us(draft_tokens_full, est_state(p, 10**9), (logits, verified, accepted)),
+                        us_plain=scan_us(draft_tokens_full, est_state(p, 10**9, b), (logits, verified, accepted)),
                     )
 
                     def engine_draft(state, xs, sampled, with_estimator=True):
@@ -318,8 +320,8 @@ def main(args):
                         live = jnp.sum(drafts) + (jnp.sum(dist.prob_at(drafts[..., None])) if sampled else 0.0)
                         if with_estimator:
                             xk = est.distribution_features(dist)
-                            _, s = est.predict(state, xk)
-                            state = est.observe(state, xk, ver, acc)
+                            _, s = est.predict(state, xk, slots)
+                            state = est.observe(state, xk, ver, acc, slots)
                             live = live + s[0, -1]
                         return state.replace(h_xx=state.h_xx + 0.0 * live)
 
@@ -330,8 +332,8 @@ def main(args):
                         q = jax.nn.softmax(lg.astype(jnp.float32) / temp, axis=-1)
                         drafts = jax.vmap(lambda k, qq: jax.random.categorical(k, jnp.log(qq), axis=-1))(draw_keys, q)
                         xk = est.features(lg, temperature)
-                        _, s = est.predict(state, xk)
-                        state = est.observe(state, xk, ver, acc)
+                        _, s = est.predict(state, xk, slots)
+                        state = est.observe(state, xk, ver, acc, slots)
                         live = jnp.sum(jnp.take_along_axis(q, drafts[..., None], axis=-1)) + s[0, -1]
                         return state.replace(h_xx=state.h_xx + 0.0 * live)
 
@@ -362,7 +364,7 @@ def main(args):
                             vocab=vocab,
                             sets=n_sets,
                             floor_us=floor_us,
-                            us_plain=scan_us(fn, est_state(p, 10**9), (logits, verified, accepted)),
+                            us_plain=scan_us(fn, est_state(p, 10**9, b), (logits, verified, accepted)),
                         )
                 del logits
 

@@ -205,7 +205,10 @@ class Engine:
             cache=cache_mod.init_cache(self.target.config, self.cache_config),
             proposer=self.proposer.init_state(self.spec.num_slots, self.spec.max_len) if speculative else None,
             estimator=estimator.init(
-                self.window - 1, refit_interval=self.spec.refit_interval, first_refit=self.spec.first_refit
+                self.window - 1,
+                refit_interval=self.spec.refit_interval,
+                first_refit=self.spec.first_refit,
+                num_slots=self.spec.num_slots,
             )
             if speculative
             else None,

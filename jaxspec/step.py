@@ -158,7 +158,7 @@ def _step(
         live = active & (anchors != NON_FINITE)  # a NON_FINITE anchor: the request already ended
     with jax.named_scope("estimator"):
         features = estimator.distribution_features(dist)
-        _, survival = estimator.predict(state.estimator, features)
+        _, survival = estimator.predict(state.estimator, features, slots)
 
     # plan: drafts to verify per request, and the packed layout of the verify
     tier_index = None
@@ -218,7 +218,7 @@ def _step(
         out = jax.lax.switch(tier_index, [partial(verify_commit, tt) for tt in tiers], state.cache, proposer_state)
     cache, proposer_state, accepted, bonus, emitted = out
     with jax.named_scope("estimator"):
-        estimator_state = estimator.observe(state.estimator, features, lengths, accepted)
+        estimator_state = estimator.observe(state.estimator, features, lengths, accepted, slots)
     state = state.replace(
         cache=cache,
         proposer=proposer_state,
@@ -285,6 +285,7 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     state = state.replace(
         cache=cache,
         proposer=proposer_state,
+        estimator=None if state.estimator is None else estimator.reset_history(state.estimator, slots),
         anchor=put(state.anchor, first),
         keys=put(state.keys, keys[:, 1]),
         sampling=jax.tree_util.tree_map(put, state.sampling, params),

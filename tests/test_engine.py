@@ -272,7 +272,7 @@ def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
         assert len(rows) <= len(r.stats["accepted"]) + 1, i
     # replayed with no refit inside the trace (first_refit 0: the first refit would be at call
     # 100), so the estimator's coefficients are the same for every row
-    fixed = estimator.init(trace.features.shape[1], first_refit=0)
+    fixed = estimator.init(trace.features.shape[1], first_refit=0, num_slots=len(prompts))
     report = calibration.evaluate(calibration.load_trace(tmp_path / "trace.npz"), fixed)
     assert report["samples"] == int(trace.verified.sum()) and report["refits"] == 0
     # The oracle's drafts are one-hot logits, so every feature of the trace is the same value
@@ -293,6 +293,25 @@ def test_trace_recorder_feeds_the_estimator_report(model, prompts, tmp_path):
     assert report["auc_baseline"] == pytest.approx(by_position, abs=1e-9)
     rates = [label_j.mean() for label_j in (pos < trace.accepted[:, None]).T]
     assert [p["accept_rate"] for p in report["per_position"]] == pytest.approx(rates)
+
+
+def test_a_slot_taking_a_request_starts_with_an_empty_history(model, prompts):
+    """The estimator's per-slot history (decayed accepted / observed / expected counts) fills while
+    a slot's request decodes; the prefill of the next request in that slot empties it; the null slot
+    is never written."""
+    spec = SpecConfig(verify_mode="static", num_slots=2, max_len=96)
+    engine = Engine(model, None, spec, proposer=OracleProposer(target=model, block_size=6))
+    engine.generate(prompts[:2], max_new_tokens=48)
+    before = np.asarray(engine.state.estimator.history)
+    assert before[0].tolist() == [0.0, 0.0, 0.0]
+    # >= 8 steps of >= 1 observed position each (decay 0.9): more than one step's 5 positions
+    assert before[1, 1] > 5 and before[2, 1] > 5, before
+    assert np.all(before[1:, 0] <= before[1:, 1]) and np.all(before[1:, 2] <= before[1:, 1])
+    engine.submit(prompts[2], max_new_tokens=8)
+    engine.step()  # admits the request into slot 1 (slots are taken from 1 up), at most one step more
+    after = np.asarray(engine.state.estimator.history)
+    assert after[1, 1] <= 5, after
+    np.testing.assert_array_equal(after[2], before[2])  # the idle slot keeps its history
 
 
 # ---------------------------------------------------------------------------------------------

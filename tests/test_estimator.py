@@ -90,10 +90,18 @@ def test_refit_schedule(first_refit, interval, want):
     assert resets == want
 
 
-def np_stats(a, b, x, verified, accepted):
-    """float64 labels and IRLS statistics, written from the spec."""
+def np_history_feature(history):
+    """h of history rows [..., 3] (A, N, Q) in float64, from the spec."""
+    a, n, q = (np.asarray(history, np.float64)[..., i] for i in range(3))
+    return np.log((a + 1) / (n - a + 1)) - np.log((q + 1) / (n - q + 1))
+
+
+def np_stats(a, b, x, verified, accepted, c=0.0, h=None):
+    """float64 labels and IRLS statistics, written from the spec; h [B] the rows' history feature
+    (None: 0)."""
     x = np.asarray(x, np.float64)
     B, P = x.shape
+    h = np.zeros((B, 1)) if h is None else np.asarray(h, np.float64)[:, None]
     y = np.full((B, P), np.nan)
     for i in range(B):
         for k in range(P):
@@ -103,31 +111,47 @@ def np_stats(a, b, x, verified, accepted):
                 y[i, k] = 0.0
     obs = ~np.isnan(y) & np.isfinite(x)
     xs = np.where(obs, x, 0.0)
-    p = 1.0 / (1.0 + np.exp(-(a * xs + b)))
+    hs = np.where(obs, h, 0.0)
+    p = 1.0 / (1.0 + np.exp(-(a * xs + c * hs + b)))
     w = np.where(obs, p * (1 - p), 0.0)
     r = np.where(obs, np.nan_to_num(y) - p, 0.0)
-    x_mean = (w * xs).sum() / w.sum()
+
+    def bar_sd(v):  # per-position weighted means (the overall one where a position has no weight), sd
+        mean = (w * v).sum() / w.sum()
+        bar = np.where(w.sum(0) > 0, (w * v).sum(0) / np.maximum(w.sum(0), 1e-300), mean)
+        return bar, np.sqrt(max((w * (v - mean) ** 2).sum() / w.sum(), 0.0))
+
+    (x_bar, sd), (h_bar, sd_h) = bar_sd(xs), bar_sd(hs)
     return dict(
         h_xx=(w * xs * xs).sum(),
         h_x=(w * xs).sum(0),
         h_1=w.sum(0),
         g_x=(r * xs).sum(),
         g_1=r.sum(0),
+        h_xh=(w * xs * hs).sum(),
+        h_hh=(w * hs * hs).sum(),
+        h_h=(w * hs).sum(0),
+        g_h=(r * hs).sum(),
         n=int(obs.sum()),
-        x_bar=np.where(w.sum(0) > 0, (w * xs).sum(0) / np.maximum(w.sum(0), 1e-300), x_mean),
-        sd=np.sqrt(max((w * (xs - x_mean) ** 2).sum() / w.sum(), 0.0)),
+        x_bar=x_bar,
+        sd=sd,
+        h_bar=h_bar,
+        sd_h=sd_h,
     )
 
 
-def np_newton(a, b, st, ridge, damping):
-    """One damped Newton step by a dense solve, with the slope rule of the spec."""
+def np_newton(a, b, st, ridge, damping, c=0.0):
+    """One damped Newton step by dense solves, with the slope rule of the spec: -> (a', b', the
+    full damped step [da, dc, db...], trust scale, c')."""
     P = len(b)
-    H = np.zeros((P + 1, P + 1))
-    H[0, 0] = st["h_xx"]
-    H[0, 1:] = H[1:, 0] = st["h_x"]
-    H[1:, 1:] = np.diag(st["h_1"])
-    H += ridge * np.eye(P + 1)
-    g = np.r_[st["g_x"], st["g_1"]]
+    H = np.zeros((P + 2, P + 2))
+    H[0, 0], H[0, 1], H[1, 1] = st["h_xx"], st["h_xh"], st["h_hh"]
+    H[1, 0] = H[0, 1]
+    H[0, 2:] = H[2:, 0] = st["h_x"]
+    H[1, 2:] = H[2:, 1] = st["h_h"]
+    H[2:, 2:] = np.diag(st["h_1"])
+    H += ridge * np.eye(P + 2)
+    g = np.r_[st["g_x"], st["g_h"], st["g_1"]]
     f = st["n"] / (st["n"] + damping)
     step = f * np.linalg.solve(H, g)
     da = step[0]
@@ -137,10 +161,11 @@ def np_newton(a, b, st, ridge, damping):
         halvings += 1
     if a + da < 0:
         da = 0.0
-    db = np.linalg.solve(H[1:, 1:], f * g[1:] - H[1:, 0] * da)
-    worst = np.max(np.abs(da * st["x_bar"] + db) + abs(da) * st["sd"])  # the trust region
-    scale = min(1.0, est.MAX_LOGIT_STEP / worst)
-    return a + scale * da, np.asarray(b) + scale * db, step, scale
+    rest = np.linalg.solve(H[1:, 1:], f * g[1:] - H[1:, 0] * da)  # c and b given the da taken
+    dc, db = rest[0], rest[1:]
+    worst = np.max(np.abs(da * st["x_bar"] + dc * st["h_bar"] + db) + abs(da) * st["sd"] + abs(dc) * st["sd_h"])
+    scale = min(1.0, est.MAX_LOGIT_STEP / worst)  # the trust region
+    return a + scale * da, np.asarray(b) + scale * db, step, scale, c + scale * dc
 
 
 # ------------------------------------------------------------------------------------- init
@@ -158,7 +183,11 @@ def test_init_defaults_and_validation():
     assert int(s.calls) == 0 and int(s.n) == 0
     s = est.init(3, intercept=[0.1, 0.2, 0.3])
     np.testing.assert_allclose(np.asarray(s.intercepts), [0.1, 0.2, 0.3], rtol=1e-6)
+    assert s.history.shape == (2, 3) and float(s.history_slope) == 0.0 and s.history_decay == est.HISTORY_DECAY
+    assert est.init(3, num_slots=5).history.shape == (6, 3)
     for kwargs, field in [
+        (dict(num_slots=0), "num_slots"),
+        (dict(history_decay=1.5), "history_decay"),
         (dict(num_positions=0), "num_positions"),
         (dict(slope=-1.0), "slope"),
         (dict(refit_interval=0), "refit_interval"),
@@ -226,28 +255,43 @@ def test_no_signal_keeps_the_slope_small_and_non_negative(true_slope):
 # ----------------------------------------------------------------------- the Newton step
 
 
-def test_arrowhead_solve_equals_a_dense_solve():
+@pytest.mark.parametrize("history", ["none", "rows"], ids=["h-zero", "h-per-row"])
+def test_arrowhead_solve_equals_a_dense_solve(history):
     rng = np.random.default_rng(4)
     for P in (1, 3, 7, 15):
         x = rng.normal(1.0, 2.0, (200, P))
+        h = np.zeros((200, 1)) if history == "none" else rng.normal(0.3, 1.0, (200, 1))
         w = rng.uniform(0.0, 0.25, (200, P))
-        h_aa, h_ab, h_bb = (w * x * x).sum(), (w * x).sum(0), w.sum(0)
-        g_a, g_b = rng.normal(0, 5), rng.normal(0, 5, P)
+        h_aa, h_ac, h_cc = (w * x * x).sum(), (w * x * h).sum(), (w * h * h).sum()
+        h_ab, h_cb, h_bb = (w * x).sum(0), (w * h).sum(0), w.sum(0)
+        g_a, g_c, g_b = rng.normal(0, 5), (0.0 if history == "none" else rng.normal(0, 5)), rng.normal(0, 5, P)
         ridge = 1e-3
-        args = [jnp.asarray(v, jnp.float32) for v in (h_aa, h_ab, h_bb, g_a, g_b)]
-        da, db = jax.jit(est.arrowhead_solve)(*args, ridge)
-        H = np.zeros((P + 1, P + 1))
-        H[0, 0], H[0, 1:], H[1:, 0], H[1:, 1:] = h_aa, h_ab, h_ab, np.diag(h_bb)
-        ref = np.linalg.solve(H + ridge * np.eye(P + 1), np.r_[g_a, g_b])
-        got = np.r_[float(da), np.asarray(db, np.float64)]
+        args = [jnp.asarray(v, jnp.float32) for v in (h_aa, h_ac, h_cc, h_ab, h_cb, h_bb, g_a, g_c, g_b)]
+        da, dc, db = jax.jit(est.arrowhead_solve)(*args, ridge)
+        H = np.zeros((P + 2, P + 2))
+        H[0, 0], H[0, 1], H[1, 0], H[1, 1] = h_aa, h_ac, h_ac, h_cc
+        H[0, 2:] = H[2:, 0] = h_ab
+        H[1, 2:] = H[2:, 1] = h_cb
+        H[2:, 2:] = np.diag(h_bb)
+        ref = np.linalg.solve(H + ridge * np.eye(P + 2), np.r_[g_a, g_c, g_b])
+        got = np.r_[float(da), float(dc), np.asarray(db, np.float64)]
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
+        if history == "none":
+            assert float(dc) == 0.0  # the one-slope system
 
 
-@pytest.mark.parametrize("case", ["plain", "halved", "dropped", "trust"])
+@pytest.mark.parametrize("case", ["plain", "halved", "dropped", "trust", "history", "history-halved"])
 def test_one_refit_is_one_damped_newton_step(case):
     rng = np.random.default_rng(5)
     P, B = 5, 300
     b0 = [0.3, 0.1, -0.1, -0.2, -0.4]
+    c0, slots, h = 0.0, None, None
+    if case.startswith("history"):  # every row its own slot, with a history; c starts at 0.4
+        c0, slots = 0.4, jnp.arange(1, B + 1, dtype=jnp.int32)
+        n = rng.uniform(0, 40, B + 1)
+        history = np.stack([n * rng.random(B + 1), n, n * rng.random(B + 1)], -1).astype(np.float32)
+        h = np_history_feature(history[1:])
+        case = case.replace("history-", "").replace("history", "plain")
     if case == "plain":  # data slope 1.2 from a = 0.7: an ordinary step
         a0, x, v, acc = 0.7, *(t[0] for t in gen(rng, 1, B, 1.2, b0))
     elif case == "halved":  # data slope -1 from a = 0.05: the step is halved until a >= 0
@@ -257,11 +301,13 @@ def test_one_refit_is_one_damped_newton_step(case):
     else:  # from intercepts of -12 (every p ~ 0) the Newton step overshoots: the trust region cuts it
         a0, x, v, acc = 0.7, *(t[0] for t in gen(rng, 1, B, 1.2, b0))
         b0 = [-12.0] * P
-    state = est.init(P, slope=a0, intercept=b0, refit_interval=1)
-    a32 = float(state.slope)
+    state = est.init(P, slope=a0, intercept=b0, refit_interval=1, num_slots=B)
+    if slots is not None:
+        state = state.replace(history=jnp.asarray(history), history_slope=jnp.asarray(c0, jnp.float32))
+    a32, c32 = float(state.slope), float(state.history_slope)
     b32 = np.asarray(state.intercepts, np.float64)
-    st = np_stats(a32, b32, x, v, acc)
-    a_ref, b_ref, full_step, scale = np_newton(a32, b32, st, 1e-3, 50.0)
+    st = np_stats(a32, b32, x, v, acc, c32, h)
+    a_ref, b_ref, full_step, scale, c_ref = np_newton(a32, b32, st, 1e-3, 50.0, c32)
     if case == "plain":
         assert a32 + full_step[0] > 0
     elif case != "trust":
@@ -269,22 +315,133 @@ def test_one_refit_is_one_damped_newton_step(case):
     assert (scale < 0.5) == (case == "trust"), scale
     if case == "dropped":
         assert a_ref == a32
-    new = _observe(state, x, v, acc)  # refit_interval = 1: refits on this call
-    assert int(new.n) == 0 and float(new.h_xx) == 0.0
+    new = _observe(state, x, v, acc, slots)  # refit_interval = 1: refits on this call
+    assert int(new.n) == 0 and float(new.h_xx) == 0.0 and float(new.h_hh) == 0.0
     np.testing.assert_allclose(float(new.slope), a_ref, atol=1e-5)
+    np.testing.assert_allclose(float(new.history_slope), c_ref, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new.intercepts), b_ref, atol=1e-5)
+    if slots is None:
+        assert float(new.history_slope) == 0.0
+    else:
+        assert abs(c_ref - c32) > 1e-3  # the history slope took a step
 
 
 def test_statistics_match_numpy_before_the_refit():
     rng = np.random.default_rng(6)
-    x, v, acc = (t[0] for t in gen(rng, 1, 257, 1.0, [0.5, 0.0, -0.5]))
-    state = est.init(3, slope=0.6, intercept=[0.1, 0.0, -0.1])
-    new = _observe(state, x, v, acc)
-    st = np_stats(float(state.slope), np.asarray(state.intercepts, np.float64), x, v, acc)
-    for name in ("h_xx", "h_x", "h_1", "g_x", "g_1"):
-        np.testing.assert_allclose(np.asarray(getattr(new, name)), st[name], rtol=1e-5, atol=1e-4)
+    B = 257
+    x, v, acc = (t[0] for t in gen(rng, 1, B, 1.0, [0.5, 0.0, -0.5]))
+    state = est.init(3, slope=0.6, intercept=[0.1, 0.0, -0.1], num_slots=300)
+    n = rng.uniform(0, 25, 301)
+    history = np.stack([n * rng.random(301), n, n * rng.random(301)], -1).astype(np.float32)
+    state = state.replace(history=jnp.asarray(history), history_slope=jnp.asarray(0.3, jnp.float32))
+    slots = rng.permutation(300)[:B] + 1
+    slots[:5] = 0  # padding rows of the null slot: h = 0, no history written
+    v[:5], acc[:5] = 0, 0
+    new = _observe(state, x, v, acc, jnp.asarray(slots, jnp.int32))
+    h = np.where(slots > 0, np_history_feature(history[slots]), 0.0)
+    st = np_stats(0.6, np.asarray(state.intercepts, np.float64), x, v, acc, 0.3, h)
+    for name in ("h_xx", "h_x", "h_1", "g_x", "g_1", "h_xh", "h_hh", "h_h", "g_h"):
+        np.testing.assert_allclose(np.asarray(getattr(new, name)), st[name], rtol=1e-5, atol=1e-4, err_msg=name)
     assert int(new.n) == st["n"] and int(new.calls) == 1
     np.testing.assert_array_equal(np.asarray(new.slope), np.asarray(state.slope))  # no refit yet
+
+
+# --------------------------------------------------------------------------- the history
+
+
+def test_history_feature_matches_numpy():
+    rng = np.random.default_rng(13)
+    n = rng.uniform(0, 60, 500)
+    history = np.stack([n * rng.random(500), n, n * rng.random(500)], -1)
+    history[:3] = [[0, 0, 0], [10, 10, 10], [0, 10, 9.5]]  # empty; all accepted as expected; far below
+    got = np.asarray(jax.jit(est.history_feature)(jnp.asarray(history, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, np_history_feature(history), rtol=1e-5, atol=1e-5)
+    assert got[0] == 0.0 and abs(got[1]) < 1e-6 and got[2] < -2.0
+
+
+def test_observe_adds_the_step_to_the_slot_histories():
+    """decay * (A, N, Q) + the step's accepted drafts, observed positions and Sum q_max (non-finite
+    features observed by nothing), for the rows' slots only; slot 0 and other slots unchanged."""
+    rng = np.random.default_rng(14)
+    P, B, R = 6, 40, 64
+    x, v, acc = (t[0] for t in gen(rng, 1, B, 1.0, np.linspace(1, -1, P), full=0.5))
+    x[0, 1], x[1, 0] = np.nan, np.inf
+    state = est.init(P, num_slots=R, history_decay=0.8)
+    n = rng.uniform(0, 25, R + 1)
+    history = np.stack([n * rng.random(R + 1), n, n * rng.random(R + 1)], -1).astype(np.float32)
+    state = state.replace(history=jnp.asarray(history))
+    slots = rng.permutation(R)[:B] + 1
+    slots[-3:] = 0  # padding rows
+    v[-3:], acc[-3:] = 0, 0
+    new = np.asarray(_observe(state, x, v, acc, jnp.asarray(slots, jnp.int32)).history, np.float64)
+    want = history.astype(np.float64)
+    k = np.arange(P)[None, :]
+    finite = np.isfinite(x)
+    obs = ((k < np.minimum(acc, v)[:, None]) | ((k == acc[:, None]) & (acc < v)[:, None])) & finite
+    yes = obs & (k < acc[:, None])
+    q = 1 / (1 + np.exp(-np.clip(np.where(finite, x, 0.0), -40, 40)))
+    for i, slot in enumerate(slots):
+        if slot:
+            want[slot] = 0.8 * want[slot] + [yes[i].sum(), obs[i].sum(), (q[i] * obs[i]).sum()]
+    np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(new[slots[:-3]], history[slots[:-3]])  # the rows' slots did change
+
+
+def test_reset_history_empties_the_slots_but_never_the_null_slot():
+    state = est.init(3, num_slots=5).replace(history=jnp.ones((6, 3), jnp.float32))
+    got = np.asarray(jax.jit(est.reset_history)(state, jnp.asarray([2, 0, 5], jnp.int32)).history)
+    np.testing.assert_array_equal(got[:, 0], [1, 1, 0, 1, 1, 0])
+
+
+def test_predict_adds_the_slot_history():
+    rng = np.random.default_rng(15)
+    s = est.init(4, slope=0.7, intercept=[0.4, 0.1, -0.2, -0.6], num_slots=9)
+    n = rng.uniform(0, 30, 10)
+    history = np.stack([n * rng.random(10), n, n * rng.random(10)], -1).astype(np.float32)
+    s = s.replace(history=jnp.asarray(history), history_slope=jnp.asarray(0.9, jnp.float32))
+    x = rng.normal(0, 2, (9, 4)).astype(np.float32)
+    slots = np.arange(1, 10, dtype=np.int32)
+    p, surv = jax.jit(est.predict)(s, x, slots)
+    h = np_history_feature(history[slots])[:, None]
+    ref = 1 / (1 + np.exp(-(0.7 * x.astype(np.float64) + 0.9 * h + np.array([0.4, 0.1, -0.2, -0.6]))))
+    np.testing.assert_allclose(np.asarray(p, np.float64), ref, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(surv, np.float64), np.cumprod(ref, -1), rtol=1e-5, atol=1e-7)
+    p0, _ = jax.jit(est.predict)(s, x)  # no slots: no history
+    np.testing.assert_allclose(
+        np.asarray(p0, np.float64),
+        1 / (1 + np.exp(-(0.7 * x.astype(np.float64) + np.array([0.4, 0.1, -0.2, -0.6])))),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+    with pytest.raises(ValueError, match="slots"):
+        est.predict(s, x, slots[:4])
+
+
+@pytest.mark.parametrize("spread", [0.0, 1.5], ids=["no-request-effect", "request-offsets"])
+def test_learns_the_history_slope(spread):
+    """Requests whose acceptance is offset by u ~ N(0, spread) in the logit, 32 slots, each slot taking
+    a new request every 40 steps (reset): the history slope grows where requests differ and stays
+    near 0 where they do not."""
+    rng = np.random.default_rng(16)
+    P, B = 7, 32
+    state = est.init(P, refit_interval=20, num_slots=B)
+    offset = rng.normal(0, spread, B)
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    step = jax.jit(est.observe)
+    for call in range(240):
+        if call % 40 == 0:
+            offset = rng.normal(0, spread, B)
+            state = est.reset_history(state, slots)
+        x = rng.normal(0.5, 2.0, (B, P)).astype(np.float32)
+        p = 1 / (1 + np.exp(-(x + offset[:, None] + np.linspace(0.5, -0.5, P))))
+        rej = rng.random((B, P)) >= p
+        acc = np.where(rej.any(-1), rej.argmax(-1), P).astype(np.int32)
+        state = step(state, x, np.full(B, P, np.int32), acc, slots)
+    c = float(state.history_slope)
+    if spread:
+        assert c > 0.3, c
+    else:
+        assert abs(c) < 0.15, c
 
 
 # ----------------------------------------------------------------------------- features

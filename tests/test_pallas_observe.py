@@ -1,4 +1,5 @@
-"""The one-launch observe kernel (jaxspec/pallas/observe.py) against the jnp `estimator.observe`.
+"""The one-launch observe kernel (jaxspec/pallas/observe.py) against the jnp `estimator.observe`
+(every statistics and coefficient field; the history the caller keeps is not the kernel's).
 
 CPU: interpret mode. GPU (`pytest -m gpu`): the same cases compiled."""
 
@@ -17,9 +18,12 @@ CONFIGS = {"default": po.ObserveConfig(), "tiles-16": po.ObserveConfig(block_b=1
 RTOL = 2e-5
 
 
+HISTORY_SLOTS = 600
+
+
 def make_step(rng, batch, positions, special=True):
-    """Features [B, P] (float32) with verified / accepted [B] int32; non-finite features and the
-    label edge cases planted."""
+    """Features [B, P] (float32) with verified / accepted [B] int32 and distinct slots [B] in
+    1..HISTORY_SLOTS; non-finite features and the label edge cases planted."""
     x = (rng.standard_normal((batch, positions)) * 3).astype(np.float32)
     ver = rng.integers(0, positions + 1, batch).astype(np.int32)
     acc = np.minimum(ver, rng.integers(0, positions + 1, batch)).astype(np.int32)
@@ -28,7 +32,8 @@ def make_step(rng, batch, positions, special=True):
         ver[3], acc[3] = 0, 0  # padding row: observes nothing
         ver[-1], acc[-1] = positions, positions  # every draft accepted: no 0 label
         x[-2, :] = 60.0  # clamped to +40
-    return jnp.asarray(x), jnp.asarray(ver), jnp.asarray(acc)
+    slots = rng.permutation(HISTORY_SLOTS)[:batch] + 1
+    return jnp.asarray(x), jnp.asarray(ver), jnp.asarray(acc), jnp.asarray(slots, jnp.int32)
 
 
 def check_state(got, ref):
@@ -43,14 +48,29 @@ def check_state(got, ref):
 
 
 def kernel(config, interpret, poison=True):
-    return jax.jit(lambda s, x, v, a: po.observe(s, x, v, a, config=config, interpret=interpret, poison_outputs=poison))
+    """The kernel on the rows of `slots` (their history feature computed as observe does)."""
+
+    def run(s, x, v, a, slots):
+        h = est.history_feature(s.history[slots])
+        return po.observe(s, x, h, v, a, config=config, interpret=interpret, poison_outputs=poison)
+
+    return jax.jit(run)
 
 
 def started_state(rng, positions, refit):
-    """A state with non-zero statistics, slope and intercepts; the next call refits or not."""
-    state = est.init(positions, slope=0.8, intercept=list(rng.uniform(-1, 1, positions)), refit_interval=10)
-    x, v, a = make_step(rng, 64, positions, special=False)
-    state = est.observe(state, x, v, a, impl="ref")
+    """A state with non-zero statistics, slopes, intercepts and slot histories (observed counts
+    0-30, accepted and expected counts within them); the next call refits or not."""
+    state = est.init(
+        positions,
+        slope=0.8,
+        intercept=list(rng.uniform(-1, 1, positions)),
+        refit_interval=10,
+        num_slots=HISTORY_SLOTS,
+    )
+    n = rng.uniform(0, 30, HISTORY_SLOTS + 1)
+    history = np.stack([n * rng.random(n.shape), n, n * rng.random(n.shape)], axis=-1)
+    state = state.replace(history=jnp.asarray(history, jnp.float32), history_slope=jnp.asarray(0.6, jnp.float32))
+    state = est.observe(state, *make_step(rng, 64, positions, special=False), impl="ref")
     return state.replace(calls=jnp.asarray(9 if refit else 5, jnp.int32))
 
 
@@ -79,7 +99,7 @@ def test_trust_region_matches_reference():
         ).astype(np.int32)
         args = (jnp.asarray(x), jnp.asarray(np.full(batch, positions, np.int32)), jnp.asarray(accepted))
         before = float(ref.intercepts[0])
-        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args)
+        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args, jnp.zeros(batch, jnp.int32))
         if i == 4:  # the first refit: one trust-region step of at most MAX_LOGIT_STEP at x ~ -8.4
             change = abs(float(ref.intercepts[0]) - before + (float(ref.slope) - 0.5) * -8.4)
             assert 1.0 < change <= est.MAX_LOGIT_STEP + 1e-3, change
@@ -94,6 +114,35 @@ def test_config_validation():
         po.ObserveConfig(block_b=100)
     with pytest.raises(ValueError, match="num_warps"):
         po.ObserveConfig(num_warps=3)
+
+
+def test_tracks_reference_with_histories():
+    """120 steps of 24 requests whose acceptance carries a per-request offset (the history's signal),
+    each step's rows in their slots and a quarter of the slots taking new requests every 30 steps:
+    the kernel's state (history kept by observe either way) tracks the jnp form, and the history
+    slope moves off 0."""
+    rng = np.random.default_rng(12)
+    positions, batch = 7, 24
+    ref = got = est.init(positions, refit_interval=20, num_slots=batch)
+    offset = rng.normal(0.0, 1.5, batch + 1)
+    slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
+    for call in range(120):
+        if call and call % 30 == 0:
+            new = rng.choice(batch, batch // 4, replace=False) + 1
+            offset[new] = rng.normal(0.0, 1.5, len(new))
+            ref, got = est.reset_history(ref, jnp.asarray(new)), est.reset_history(got, jnp.asarray(new))
+        x = rng.standard_normal((batch, positions)).astype(np.float32) * 2
+        p = 1 / (1 + np.exp(-(x + offset[1:, None])))
+        accepted = np.argmin(
+            np.concatenate([rng.random((batch, positions)) < p, np.zeros((batch, 1), bool)], 1), axis=1
+        ).astype(np.int32)
+        args = (jnp.asarray(x), jnp.full((batch,), positions, jnp.int32), jnp.asarray(accepted), slots)
+        ref, got = est.observe(ref, *args, impl="ref"), est.observe(got, *args, impl="pallas")
+    assert float(ref.history_slope) > 0.2, float(ref.history_slope)
+    for field in ("slope", "history_slope", "intercepts", "history"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(got, field)), np.asarray(getattr(ref, field)), rtol=1e-4, atol=1e-4, err_msg=field
+        )
 
 
 def test_supports():
@@ -115,29 +164,33 @@ def test_supports():
 def test_matches_reference(batch, positions, refit, cfg):
     rng = np.random.default_rng(batch * 100 + positions)
     state = started_state(rng, positions, refit)
-    x, v, a = make_step(rng, batch, positions)
-    got = kernel(CONFIGS[cfg], True)(state, x, v, a)
-    ref = est.observe(state, x, v, a, impl="ref")
+    x, v, a, slots = make_step(rng, batch, positions)
+    got = kernel(CONFIGS[cfg], True)(state, x, v, a, slots)
+    ref = est.observe(state, x, v, a, slots, impl="ref")
     check_state(got, ref)
     if refit:  # the step was taken and the statistics cleared
         assert float(ref.slope) != float(state.slope) and int(got.n) == 0 and float(got.h_xx) == 0.0
     else:
-        assert int(got.n) > int(state.n) and float(got.slope) == float(state.slope)
+        assert float(got.slope) == float(state.slope)
+        observed = bool(np.any(np.asarray(v) > 0))  # a row verified something
+        assert (int(got.n) > int(state.n)) == observed
+        assert (float(got.h_hh) > float(state.h_hh)) == observed  # the rows had histories
 
 
 def test_poisoned_batch_keeps_coefficients_finite():
     rng = np.random.default_rng(3)
     state = started_state(rng, 7, True)
     x = jnp.full((16, 7), jnp.nan, jnp.float32).at[0, 0].set(jnp.inf)
-    v = jnp.full((16,), 7, jnp.int32)
-    got = kernel(None, True)(state, x, v, jnp.full((16,), 3, jnp.int32))
-    assert np.isfinite(float(got.slope)) and np.all(np.isfinite(np.asarray(got.intercepts)))
-    check_state(got, est.observe(state, x, v, jnp.full((16,), 3, jnp.int32), impl="ref"))
+    v, a, slots = jnp.full((16,), 7, jnp.int32), jnp.full((16,), 3, jnp.int32), jnp.arange(1, 17, dtype=jnp.int32)
+    got = kernel(None, True)(state, x, v, a, slots)
+    for field in ("slope", "history_slope", "intercepts"):
+        assert np.all(np.isfinite(np.asarray(getattr(got, field)))), field
+    check_state(got, est.observe(state, x, v, a, slots, impl="ref"))
 
 
 def test_tracks_reference_over_many_refits():
     """250 steps of logistic data, refits at calls 4, 8 and 16 (early) then every 25: the two paths end
-    with the same coefficients."""
+    with the same coefficients (rows without history here; test_tracks_reference_with_histories)."""
     rng = np.random.default_rng(11)
     positions, batch = 7, 48
     true_b = np.linspace(1.5, -0.5, positions)
@@ -152,7 +205,7 @@ def test_tracks_reference_over_many_refits():
         ).astype(np.int32)
         ver = np.full(batch, positions, np.int32)
         args = (jnp.asarray(x), jnp.asarray(ver), jnp.asarray(accepted))
-        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args)
+        ref, got = est.observe(ref, *args, impl="ref"), step(got, *args, jnp.zeros(batch, jnp.int32))
     assert abs(float(ref.slope) - 1.0) < 0.2  # the data's slope is being learnt
     np.testing.assert_allclose(float(got.slope), float(ref.slope), rtol=1e-4)
     np.testing.assert_allclose(np.asarray(got.intercepts), np.asarray(ref.intercepts), rtol=1e-4, atol=1e-4)
@@ -161,14 +214,15 @@ def test_tracks_reference_over_many_refits():
 def test_dispatch():
     rng = np.random.default_rng(5)
     state = started_state(rng, 7, False)
-    x, v, a = make_step(rng, 9, 7)
-    auto = est.observe(state, x, v, a)
+    x, v, a, slots = make_step(rng, 9, 7)
+    auto = est.observe(state, x, v, a, slots)
     if jax.default_backend() != "gpu":  # auto is the jnp form off the GPU
-        for field in po.FIELDS:
-            np.testing.assert_array_equal(
-                np.asarray(getattr(auto, field)), np.asarray(getattr(est.observe(state, x, v, a, impl="ref"), field))
-            )
-    check_state(est.observe(state, x, v, a, impl="pallas"), auto)
+        ref = est.observe(state, x, v, a, slots, impl="ref")
+        for field in (*po.FIELDS, "history"):
+            np.testing.assert_array_equal(np.asarray(getattr(auto, field)), np.asarray(getattr(ref, field)))
+    pallas = est.observe(state, x, v, a, slots, impl="pallas")
+    check_state(pallas, auto)
+    np.testing.assert_array_equal(np.asarray(pallas.history), np.asarray(auto.history))  # the same jnp update
     with pytest.raises(ValueError, match="impl"):
         est.observe(state, x, v, a, impl="fast")
 
@@ -176,9 +230,9 @@ def test_dispatch():
 def test_deterministic():
     rng = np.random.default_rng(8)
     state = started_state(rng, 15, True)
-    x, v, a = make_step(rng, 300, 15)
+    x, v, a, slots = make_step(rng, 300, 15)
     f = kernel(CONFIGS["tiles-16"], True)
-    first, again = f(state, x, v, a), f(state, x, v, a)
+    first, again = f(state, x, v, a, slots), f(state, x, v, a, slots)
     for field in po.FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(first, field)), np.asarray(getattr(again, field)))
 
@@ -187,8 +241,9 @@ def test_deterministic():
 def test_lowers_for_h200(batch, positions):
     state = est.init(positions)
     x = jax.ShapeDtypeStruct((batch, positions), jnp.float32)
+    h = jax.ShapeDtypeStruct((batch,), jnp.float32)
     lab = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    text = lower_for_h200(lambda s, x, v, a: po.observe(s, x, v, a, interpret=False), state, x, lab, lab)
+    text = lower_for_h200(lambda s, x, h, v, a: po.observe(s, x, h, v, a, interpret=False), state, x, h, lab, lab)
     assert "__gpu$xla.gpu.triton" in text
 
 
@@ -200,9 +255,9 @@ def test_lowers_for_h200(batch, positions):
 def test_gpu_matches_reference(batch, positions, refit, cfg):
     rng = np.random.default_rng(batch + positions)
     state = started_state(rng, positions, refit)
-    x, v, a = make_step(rng, batch, positions)
-    got = kernel(CONFIGS[cfg], False)(state, x, v, a)
-    check_state(got, est.observe(state, x, v, a, impl="ref"))
-    again = kernel(CONFIGS[cfg], False)(state, x, v, a)
+    x, v, a, slots = make_step(rng, batch, positions)
+    got = kernel(CONFIGS[cfg], False)(state, x, v, a, slots)
+    check_state(got, est.observe(state, x, v, a, slots, impl="ref"))
+    again = kernel(CONFIGS[cfg], False)(state, x, v, a, slots)
     for field in po.FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(again, field)))

@@ -6,12 +6,14 @@ the Newton statistics and the damped arrowhead step; docs/design.md section 6).
 Why a kernel: the work is tiny (B x P features), so its cost on the GPU is the number of launches,
 and XLA compiles the jnp form into several small kernels (the statistics, their reduction, then
 small fusions for the refit's divides and selects). Here one program walks the batch in
-`block_b`-row tiles (masked rows and positions add nothing), keeps the six sums in registers, adds
+`block_b`-row tiles (masked rows and positions add nothing), keeps the ten sums in registers, adds
 them to the state, computes the refit every call and keeps it when the schedule says (`refit_due`)
-(no branch, as the jnp form) and writes the nine state fields.
+(no branch, as the jnp form) and writes the fourteen state fields (`FIELDS`). The per-slot
+history is read and written by the caller (`estimator.observe`): the kernel takes each row's
+history feature h.
 
-Layout: x [B, P] float32 (non-finite features observe nothing), verified / accepted [B] int32;
-state scalars are 0-d, per-position fields [P]. The padded tile is [block_b, P_pad] (powers of
+Layout: x [B, P] float32 (non-finite features observe nothing), h [B] float32, verified /
+accepted [B] int32; state scalars are 0-d, per-position fields [P]. The padded tile is [block_b, P_pad] (powers of
 two); the position sums are one reduction over P_pad where the jnp form chains them left to right,
 so the two agree to float32 rounding, not bit for bit. A given kernel is deterministic: one
 program, a fixed order.
@@ -31,7 +33,22 @@ from jaxspec.pallas.tiles import check_pow2_fields
 FEATURE_CLAMP = 40.0  # as jaxspec.spec.estimator.FEATURE_CLAMP
 MAX_SLOPE_HALVINGS = 8  # as jaxspec.spec.estimator.MAX_SLOPE_HALVINGS
 MAX_LOGIT_STEP = 4.0  # as jaxspec.spec.estimator.MAX_LOGIT_STEP
-FIELDS = ("slope", "intercepts", "h_xx", "h_x", "h_1", "g_x", "g_1", "n", "calls")
+FIELDS = (
+    "slope",
+    "history_slope",
+    "intercepts",
+    "h_xx",
+    "h_x",
+    "h_1",
+    "g_x",
+    "g_1",
+    "h_xh",
+    "h_hh",
+    "h_h",
+    "g_h",
+    "n",
+    "calls",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +91,21 @@ def _finite(v):
 
 def _kernel(
     x_ref,
+    hist_ref,
     ver_ref,
     acc_ref,
     slope_ref,
+    c_ref,
     b_ref,
     h_xx_ref,
     h_x_ref,
     h_1_ref,
     g_x_ref,
     g_1_ref,
+    h_xh_ref,
+    h_hh_ref,
+    h_h_ref,
+    g_h_ref,
     n_ref,
     calls_ref,
     *out_refs,
@@ -101,6 +124,7 @@ def _kernel(
         return plgpu.load(ref.at[pl.ds(0, p_pad)], mask=live_k, other=0.0)
 
     slope = slope_ref[...]
+    c = c_ref[...]
     b = load_vec(b_ref)
     rows = jnp.arange(block_b, dtype=jnp.int32)
 
@@ -110,6 +134,7 @@ def _kernel(
         x = plgpu.load(
             x_ref.at[pl.ds(i * block_b, block_b), pl.ds(0, p_pad)], mask=live_r[:, None] & live_k[None, :], other=0.0
         )  # [Bt, P_pad]
+        h = plgpu.load(hist_ref.at[pl.ds(i * block_b, block_b)], mask=live_r, other=0.0)[:, None]
         ver = plgpu.load(ver_ref.at[pl.ds(i * block_b, block_b)], mask=live_r, other=0)[:, None]
         acc = plgpu.load(acc_ref.at[pl.ds(i * block_b, block_b)], mask=live_r, other=0)[:, None]
         pos = (k[None, :] < jnp.minimum(acc, ver)) & live_k[None, :]  # label 1
@@ -117,63 +142,86 @@ def _kernel(
         finite = _finite(x)
         obs = (pos | neg) & finite
         xs = jnp.where(finite, jnp.clip(x, -FEATURE_CLAMP, FEATURE_CLAMP), 0.0)
-        z = slope * xs + b[None, :]
+        z = slope * xs + c * h + b[None, :]
         p, q = _sigmoid(z), _sigmoid(-z)  # p, 1 - p
         w = jnp.where(obs, p * q, 0.0)
         res = jnp.where(obs, jnp.where(pos, q, -p), 0.0)  # y - p
-        terms = (w * xs * xs, w * xs, w, res * xs, res, obs.astype(jnp.float32))
+        terms = (w * xs * xs, w * xs, w, res * xs, res, obs.astype(jnp.float32), w * xs * h, w * h * h, w * h, res * h)
         return tuple(s + jnp.sum(t, axis=0) for s, t in zip(sums, terms))
 
     zeros = jnp.zeros((p_pad,), jnp.float32)
-    sums = jax.lax.fori_loop(0, pl.cdiv(batch, block_b), tile, (zeros,) * 6)
+    sums = jax.lax.fori_loop(0, pl.cdiv(batch, block_b), tile, (zeros,) * 10)
     h_xx = h_xx_ref[...] + jnp.sum(sums[0])
     h_x = load_vec(h_x_ref) + sums[1]
     h_1 = load_vec(h_1_ref) + sums[2]
     g_x = g_x_ref[...] + jnp.sum(sums[3])
     g_1 = load_vec(g_1_ref) + sums[4]
     n = n_ref[...] + jnp.sum(sums[5]).astype(jnp.int32)
+    h_xh = h_xh_ref[...] + jnp.sum(sums[6])
+    h_hh = h_hh_ref[...] + jnp.sum(sums[7])
+    h_h = load_vec(h_h_ref) + sums[8]
+    g_h = g_h_ref[...] + jnp.sum(sums[9])
     calls = calls_ref[...] + 1
 
-    # the damped arrowhead Newton step (jaxspec.spec.estimator.arrowhead_solve / refit)
+    # the damped arrowhead Newton step (jaxspec.spec.estimator.schur_system / arrowhead_solve / refit)
     def all_finite(v):
         return jnp.sum(jnp.where(live_k & ~_finite(v), 1, 0)) == 0
+
+    def over_k(v):
+        return jnp.sum(jnp.where(live_k, v, 0.0))
 
     nf = n.astype(jnp.float32)
     f = nf / (nf + damping)
     d = h_1 + ridge
-    schur = jnp.maximum(h_xx + ridge - jnp.sum(jnp.where(live_k, h_x * h_x / d, 0.0)), ridge)
-    da = (g_x - jnp.sum(jnp.where(live_k, h_x * g_1 / d, 0.0))) / schur
-    db = (g_1 - h_x * da) / d
-    ok = _finite(f) & _finite(da) & all_finite(db)
+    s_aa = jnp.maximum(h_xx + ridge - over_k(h_x * h_x / d), ridge)
+    s_cc = jnp.maximum(h_hh + ridge - over_k(h_h * h_h / d), ridge)
+    s_ac = h_xh - over_k(h_x * h_h / d)
+    r_a = g_x - over_k(h_x * g_1 / d)
+    r_c = g_h - over_k(h_h * g_1 / d)
+    det = jnp.maximum(s_aa * s_cc - s_ac * s_ac, ridge * ridge)
+    da = (s_cc * r_a - s_ac * r_c) / det
+    dc = (s_aa * r_c - s_ac * r_a) / det
+    db = (g_1 - h_x * da - h_h * dc) / d
+    ok = _finite(f) & _finite(da) & _finite(dc) & all_finite(db)
     da = f * da
     for _ in range(MAX_SLOPE_HALVINGS):
         da = jnp.where(slope + da < 0, da * 0.5, da)
     da = jnp.where(slope + da < 0, 0.0, da)
-    db = (f * g_1 - h_x * da) / d
+    dc = (f * r_c - s_ac * da) / s_cc
+    db = (f * g_1 - h_x * da - h_h * dc) / d
     # the trust region (jaxspec.spec.estimator.trust_scale)
-    total = jnp.maximum(jnp.sum(jnp.where(live_k, h_1, 0.0)), 1e-30)
-    mean = jnp.sum(jnp.where(live_k, h_x, 0.0)) / total
-    sd = jnp.sqrt(jnp.maximum(h_xx / total - mean * mean, 0.0))
-    x_bar = jnp.where(h_1 > 0, h_x / jnp.where(h_1 > 0, h_1, 1.0), mean)
-    worst = jnp.max(jnp.where(live_k, jnp.abs(da * x_bar + db) + jnp.abs(da) * sd, 0.0))
+    total = jnp.maximum(over_k(h_1), 1e-30)
+    change, spread = db, 0.0
+    for step, h_v, h_vv in ((da, h_x, h_xx), (dc, h_h, h_hh)):
+        mean = over_k(h_v) / total
+        sd = jnp.sqrt(jnp.maximum(h_vv / total - mean * mean, 0.0))
+        change = change + step * jnp.where(h_1 > 0, h_v / jnp.where(h_1 > 0, h_1, 1.0), mean)
+        spread = spread + jnp.abs(step) * sd
+    worst = jnp.max(jnp.where(live_k, jnp.abs(change) + spread, 0.0))
     scale = jnp.where(worst > MAX_LOGIT_STEP, MAX_LOGIT_STEP / jnp.where(worst > 0, worst, 1.0), 1.0)
-    da, db = scale * da, scale * db
-    ok = ok & _finite(da) & all_finite(db)
+    da, dc, db = scale * da, scale * dc, scale * db
+    ok = ok & _finite(da) & _finite(dc) & all_finite(db)
     new_a = jnp.where(ok, slope + da, slope)
+    new_c = jnp.where(ok, c + dc, c)
     new_b = jnp.where(ok, b + db, b)
-    ok = _finite(new_a) & all_finite(new_b)
+    ok = _finite(new_a) & _finite(new_c) & all_finite(new_b)
     due = calls % refit_interval == 0  # the schedule (jaxspec.spec.estimator.refit_due)
     for call in early_refits:
         due = due | (calls == call)
 
     out = dict(
         slope=jnp.where(due & ok, new_a, slope),
+        history_slope=jnp.where(due & ok, new_c, c),
         intercepts=jnp.where(due & ok, new_b, b),
         h_xx=jnp.where(due, 0.0, h_xx),
         h_x=jnp.where(due, 0.0, h_x),
         h_1=jnp.where(due, 0.0, h_1),
         g_x=jnp.where(due, 0.0, g_x),
         g_1=jnp.where(due, 0.0, g_1),
+        h_xh=jnp.where(due, 0.0, h_xh),
+        h_hh=jnp.where(due, 0.0, h_hh),
+        h_h=jnp.where(due, 0.0, h_h),
+        g_h=jnp.where(due, 0.0, g_h),
         n=jnp.where(due, 0, n),
         calls=calls,
     )
@@ -186,7 +234,7 @@ def _kernel(
 
 def _skip_poison(kernel, count, *refs):
     """The kernel with the poisoned input buffers (aliased to its outputs) left out of its refs."""
-    first = 3 + len(FIELDS)  # x, verified, accepted, then the state fields
+    first = 4 + len(FIELDS)  # x, h, verified, accepted, then the state fields
     return kernel(*refs[:first], *refs[first + count :])
 
 
@@ -199,6 +247,7 @@ def _poisoned(v):
 def observe(
     state,
     x,
+    h,
     verified,
     accepted,
     *,
@@ -206,7 +255,8 @@ def observe(
     interpret: bool | None = None,
     poison_outputs: bool = False,
 ):
-    """`jaxspec.spec.estimator.observe` in one launch: -> the new EstimatorState.
+    """`jaxspec.spec.estimator.observe`'s statistics and refit in one launch, h [B] each row's
+    history feature: -> the new EstimatorState (its history untouched).
 
     poison_outputs: the kernel writes into NaN / INT_MIN filled buffers (tests)."""
     if interpret is None:
@@ -225,7 +275,13 @@ def observe(
         ridge=float(state.ridge),
         damping=float(state.damping),
     )
-    inputs = [jnp.asarray(x, jnp.float32), jnp.asarray(verified, jnp.int32), jnp.asarray(accepted, jnp.int32), *fields]
+    inputs = [
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(h, jnp.float32),
+        jnp.asarray(verified, jnp.int32),
+        jnp.asarray(accepted, jnp.int32),
+        *fields,
+    ]
     poison = [_poisoned(v) for v in fields] if poison_outputs else []
     if poison:
         kernel = functools.partial(_skip_poison, kernel, len(poison))

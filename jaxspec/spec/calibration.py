@@ -262,26 +262,46 @@ def _replay_fn():
     import jax
 
     @jax.jit
-    def replay(state, x, verified, accepted):
+    def replay(state, x, verified, accepted, slots):
         def body(s, inp):
-            xb, vb, ab = inp
-            _, surv = est.predict(s, xb)  # predict before observe, as in serving
-            return est.observe(s, xb, vb, ab), surv
+            xb, vb, ab, sb = inp
+            _, surv = est.predict(s, xb, sb)  # predict before observe, as in serving
+            return est.observe(s, xb, vb, ab, sb), surv
 
-        return jax.lax.scan(body, state, (x, verified, accepted))
+        return jax.lax.scan(body, state, (x, verified, accepted, slots))
 
     return replay
 
 
+def history_slots(trace: Trace) -> np.ndarray:
+    """The history slot of each row [S] int32: request ids numbered 1, 2, ... in order of first
+    appearance (a slot per request, never reused), or 0 (no history) without the request column."""
+    if trace.request is None:
+        return np.zeros(trace.num_rows, np.int32)
+    _, first, inverse = np.unique(trace.request, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return (rank[inverse] + 1).astype(np.int32)
+
+
 def replay_online(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS):
-    """Run the estimator over the trace in order. -> (survival [S, P] float64, final state)."""
+    """Run the estimator over the trace in order, each request's rows with its own history (a
+    trace without request ids: none). -> (survival [S, P] float64, final state). A given state
+    needs a history slot per request (`estimator.init(..., num_slots=...)`)."""
     import jax.numpy as jnp
 
     P = trace.num_positions
+    slot_of_row = history_slots(trace)
+    slots_needed = max(int(slot_of_row.max(initial=0)), 1)
     if state is None:
-        state = est.init(P)
+        state = est.init(P, num_slots=slots_needed)
     if state.num_positions != P:
         raise ValueError(f"estimator state has {state.num_positions} positions, the trace {P}")
+    if state.history.shape[0] <= slots_needed:
+        raise ValueError(
+            f"estimator state has {state.history.shape[0] - 1} history slots, the trace "
+            f"{slots_needed} requests (estimator.init(..., num_slots={slots_needed}))"
+        )
     if batch_rows < 1:
         raise ValueError(f"batch_rows={batch_rows}: must be >= 1")
     starts, ends = _group_calls(trace, batch_rows)
@@ -292,12 +312,14 @@ def replay_online(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_R
     x = np.zeros((C, width, P), np.float32)
     v = np.zeros((C, width), np.int32)  # padding rows verify nothing: no labels
     a = np.zeros((C, width), np.int32)
+    h = np.zeros((C, width), np.int32)  # padding rows: the null slot
     call = np.repeat(np.arange(C), ends - starts)
     slot = np.arange(trace.num_rows) - np.repeat(starts, ends - starts)
     x[call, slot] = trace.features
     v[call, slot] = trace.verified
     a[call, slot] = trace.accepted
-    state, surv = _replay_fn()(state, jnp.asarray(x), jnp.asarray(v), jnp.asarray(a))
+    h[call, slot] = slot_of_row
+    state, surv = _replay_fn()(state, jnp.asarray(x), jnp.asarray(v), jnp.asarray(a), jnp.asarray(h))
     surv = np.asarray(surv, np.float64)[call, slot]
     return surv, state
 
@@ -374,7 +396,11 @@ def evaluate(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS, 
                 rows = trace.temperature == t
                 groups[f"{float(t):g}"] = {"rows": int(rows.sum()), **_scores(surv, base, mask & rows[:, None], labels)}
         out["by_temperature"] = groups
-    out["final_state"] = {"slope": float(final.slope), "intercepts": [float(b) for b in np.asarray(final.intercepts)]}
+    out["final_state"] = {
+        "slope": float(final.slope),
+        "history_slope": float(final.history_slope),
+        "intercepts": [float(b) for b in np.asarray(final.intercepts)],
+    }
     return out
 
 
@@ -464,7 +490,10 @@ def format_report(result: dict) -> str:
             f"{_fmt(g['ece_baseline'])}"
         )
     fs = result["final_state"]
-    lines.append(f"final slope {fs['slope']:.4f}, intercepts " + " ".join(f"{b:.3f}" for b in fs["intercepts"]))
+    lines.append(
+        f"final slope {fs['slope']:.4f}, history slope {fs['history_slope']:.4f}, intercepts "
+        + " ".join(f"{b:.3f}" for b in fs["intercepts"])
+    )
     return "\n".join(lines)
 
 
@@ -525,7 +554,12 @@ def run(args, parser: argparse.ArgumentParser) -> int:
             costs = CostTable.load(args.cost_table)
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"argument --cost-table: cannot read {args.cost_table!r}: {e}")
-    state = est.init(trace.num_positions, refit_interval=args.refit_interval, first_refit=args.first_refit)
+    state = est.init(
+        trace.num_positions,
+        refit_interval=args.refit_interval,
+        first_refit=args.first_refit,
+        num_slots=max(int(history_slots(trace).max(initial=0)), 1),
+    )
     replayed = replay_online(trace, state, batch_rows=args.batch_rows)  # once: the report, replay and frontier
     result = evaluate(trace, replayed=replayed)
     if costs is not None:
