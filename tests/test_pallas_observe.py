@@ -3,6 +3,8 @@
 
 CPU: interpret mode. GPU (`pytest -m gpu`): the same cases compiled."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,7 @@ def test_tracks_reference_with_histories():
     ref = got = est.init(positions, refit_interval=20, num_slots=batch)
     offset = rng.normal(0.0, 1.5, batch + 1)
     slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
+    ref_step, kernel_step = (jax.jit(functools.partial(est.observe, impl=impl)) for impl in ("ref", "pallas"))
     for call in range(120):
         if call and call % 30 == 0:
             new = rng.choice(batch, batch // 4, replace=False) + 1
@@ -137,7 +140,7 @@ def test_tracks_reference_with_histories():
             np.concatenate([rng.random((batch, positions)) < p, np.zeros((batch, 1), bool)], 1), axis=1
         ).astype(np.int32)
         args = (jnp.asarray(x), jnp.full((batch,), positions, jnp.int32), jnp.asarray(accepted), slots)
-        ref, got = est.observe(ref, *args, impl="ref"), est.observe(got, *args, impl="pallas")
+        ref, got = ref_step(ref, *args), kernel_step(got, *args)
     assert float(ref.history_slope) > 0.2, float(ref.history_slope)
     for field in ("slope", "history_slope", "intercepts", "history"):
         np.testing.assert_allclose(
