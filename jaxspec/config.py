@@ -520,7 +520,7 @@ DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
 DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
 
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
-FIRST_REFIT = 4  # the estimator's first early refit call (`estimator.refit_calls`), by default
+FIRST_REFIT = 2  # the estimator's first early refit call (`estimator.refit_calls`), by default
 PLAN_OVERHEAD = 0.03  # a trimmed step's price beyond its cost-table time, x the full block's (SpecConfig)
 
 
@@ -672,10 +672,10 @@ class SpecConfig:
         step) the planner verifies full blocks.
     num_tiers: static verify shapes (total tokens) per step, from anchors only to the full block.
     refit_interval, first_refit: the estimator refits at steps first_refit * 2^j below
-        refit_interval (4, 8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
+        refit_interval (2, 4, 8, 16, 32, 64), then every refit_interval steps (`estimator.refit_calls`;
         first_refit 0: only the multiples of refit_interval).
-    warmup_refits: the steps before the estimator's warmup_refits-th refit verify full blocks, so
-        the estimator does not learn only from its own trimmed windows.
+    warmup_refits: the steps before the estimator's warmup_refits-th refit (by default the 5th, step
+        32) verify full blocks, so the estimator does not learn only from its own trimmed windows.
     prefill_rows: None: requests joining in one step are prefilled in one call padded to a
         power-of-two row count; an int R: every prefill call has exactly R rows (joins of more
         requests take several calls), so the prefill compiles once per prompt-length bucket.
@@ -699,7 +699,7 @@ class SpecConfig:
     num_tiers: int = 4
     refit_interval: int = 100
     first_refit: int = FIRST_REFIT
-    warmup_refits: int = 4
+    warmup_refits: int = 5
     prefill_rows: int | None = None
     simulated_acceptance: SimulatedAcceptance | None = None
     tp: int = 1

@@ -84,8 +84,8 @@ def test_evaluate_on_a_known_model():
     r = cal.evaluate(trace, truth, batch_rows=64)
     k = np.arange(5)[None, :]
     assert r["samples"] == int((k < trace.verified[:, None]).sum())
-    # refits at calls 4, 8, 16, 32 (early), then 50, 100, 150
-    assert r["calls"] == -(-12000 // 64) == 188 and r["refits"] == 7
+    # refits at calls 2, 4, 8, 16, 32 (early), then 50, 100, 150
+    assert r["calls"] == -(-12000 // 64) == 188 and r["refits"] == 8
     # the estimator starts at the truth and stays calibrated; prod q_max overestimates
     for pp in r["per_position"]:
         assert pp["ece"] < 0.03, pp

@@ -178,8 +178,8 @@ def test_init_defaults_and_validation():
     assert (s.refit_interval, s.ridge, s.damping) == (100, 1e-3, 50.0)
     # one default first refit (config.FIRST_REFIT) for the estimator, its schedule, the engine and the CLI
     cli = calibration.add_arguments(argparse.ArgumentParser()).parse_args(["trace.npz"])
-    assert FIRST_REFIT == SpecConfig().first_refit == cli.first_refit == 4
-    assert s.early_refits == (4, 8, 16, 32, 64) and est.refit_calls(6) == [4, 8, 16, 32, 64, 100]
+    assert FIRST_REFIT == SpecConfig().first_refit == cli.first_refit == 2
+    assert s.early_refits == (2, 4, 8, 16, 32, 64) and est.refit_calls(7) == [2, 4, 8, 16, 32, 64, 100]
     assert int(s.calls) == 0 and int(s.n) == 0
     s = est.init(3, intercept=[0.1, 0.2, 0.3])
     np.testing.assert_allclose(np.asarray(s.intercepts), [0.1, 0.2, 0.3], rtol=1e-6)

@@ -192,13 +192,13 @@ def test_poisoned_batch_keeps_coefficients_finite():
 
 
 def test_tracks_reference_over_many_refits():
-    """250 steps of logistic data, refits at calls 4, 8 and 16 (early) then every 25: the two paths end
+    """250 steps of logistic data, refits at calls 2, 4, 8 and 16 (early) then every 25: the two paths end
     with the same coefficients (rows without history here; test_tracks_reference_with_histories)."""
     rng = np.random.default_rng(11)
     positions, batch = 7, 48
     true_b = np.linspace(1.5, -0.5, positions)
     ref = got = est.init(positions, refit_interval=25)
-    assert ref.early_refits == (4, 8, 16)
+    assert ref.early_refits == (2, 4, 8, 16)
     step = kernel(None, True, poison=False)
     for _ in range(250):
         x = rng.standard_normal((batch, positions)).astype(np.float32) * 2

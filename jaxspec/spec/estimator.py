@@ -22,7 +22,7 @@ Everything is a pure function over a device-resident `EstimatorState` pytree, so
 inside the jitted decode step: `observe` adds the Newton (IRLS) statistics of a step's labels,
 evaluated at the current coefficients, and at the calls of its refit schedule it takes one damped
 Newton step, selected on the device call counter: early refits at calls ``first_refit * 2^j`` below
-``refit_interval`` (4, 8, 16, 32, 64 by default: calibrated within the first ~50 steps), then every
+``refit_interval`` (2, 4, 8, 16, 32, 64 by default: calibrated within the first ~50 steps), then every
 ``refit_interval`` calls (`refit_calls`). The selection is branch-free (the step is
 computed every call and kept only when due, `jnp.where`): an XLA GPU conditional copies its
 predicate to the host and waits, which costs more per step than computing the refit every time
