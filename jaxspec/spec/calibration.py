@@ -284,6 +284,12 @@ def history_slots(trace: Trace) -> np.ndarray:
     return (rank[inverse] + 1).astype(np.int32)
 
 
+def history_slot_count(trace: Trace) -> int:
+    """The estimator's `num_slots` for replaying `trace` (`history_slots`): one per request, at
+    least 1."""
+    return 1 if trace.request is None else max(len(np.unique(trace.request)), 1)
+
+
 def replay_online(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_ROWS):
     """Run the estimator over the trace in order, each request's rows with its own history (a
     trace without request ids: none). -> (survival [S, P] float64, final state). A given state
@@ -292,7 +298,7 @@ def replay_online(trace: Trace, state=None, *, batch_rows: int = DEFAULT_BATCH_R
 
     P = trace.num_positions
     slot_of_row = history_slots(trace)
-    slots_needed = max(int(slot_of_row.max(initial=0)), 1)
+    slots_needed = history_slot_count(trace)
     if state is None:
         state = est.init(P, num_slots=slots_needed)
     if state.num_positions != P:
@@ -558,7 +564,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         trace.num_positions,
         refit_interval=args.refit_interval,
         first_refit=args.first_refit,
-        num_slots=max(int(history_slots(trace).max(initial=0)), 1),
+        num_slots=history_slot_count(trace),
     )
     replayed = replay_online(trace, state, batch_rows=args.batch_rows)  # once: the report, replay and frontier
     result = evaluate(trace, replayed=replayed)

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec.config import FIRST_REFIT
-from jaxspec.ops import sampling
+from jaxspec.ops import packing, sampling
 from jaxspec.ops.dispatch import use_kernel
 from jaxspec.pallas import observe as pallas_observe
 
@@ -340,8 +340,8 @@ def reset_history(state: EstimatorState, slots: jax.Array) -> EstimatorState:
     """Empty the history of ``slots`` [R] (a slot taking a new request); slot 0 (the null slot)
     is left alone."""
     slots = jnp.asarray(slots)
-    at = jnp.where(slots > 0, slots, state.history.shape[0])
-    return state.replace(history=state.history.at[at].set(0.0, mode="drop"))
+    empty = jnp.zeros(slots.shape + state.history.shape[1:], state.history.dtype)
+    return state.replace(history=packing.scatter_slots(state.history, slots, empty))
 
 
 def predict(state: EstimatorState, x: jax.Array, slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -385,9 +385,8 @@ def _add_history(state: EstimatorState, x, verified, accepted, slots) -> Estimat
         ],
         axis=-1,
     )  # [B, 3]
-    new = state.history_decay * state.history[slots] + step
-    at = jnp.where(slots > 0, slots, state.history.shape[0])  # padding rows (slot 0) write nothing
-    return state.replace(history=state.history.at[at].set(new, mode="drop"))
+    new = state.history_decay * state.history[slots] + step  # padding rows (slot 0) write nothing
+    return state.replace(history=packing.scatter_slots(state.history, slots, new))
 
 
 def observe(
