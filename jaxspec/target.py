@@ -66,9 +66,12 @@ def init_target(config: TargetConfig, key, dtype=jnp.float32, *, stacked=False, 
     paths, tree = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(paths))
 
-    leaves = [_init_leaf(k, _leaf_kind(p), s, dtype) for (p, s), k in zip(paths, keys)]
-    target = Target(params=jax.tree_util.tree_unflatten(tree, leaves), config=config)
-    return _maybe_stacked(_maybe_fused(target, fused), stacked)
+    # No name may hold the leaves past the tree: fusing and stacking drop each separate leaf as its
+    # replacement is made, and a list of them kept here would hold every projection twice.
+    params = jax.tree_util.tree_unflatten(
+        tree, [_init_leaf(k, _leaf_kind(p), s, dtype) for (p, s), k in zip(paths, keys)]
+    )
+    return _maybe_stacked(_maybe_fused(Target(params=params, config=config), fused), stacked)
 
 
 def _leaf_kind(path) -> str:

@@ -112,3 +112,28 @@ def test_a_tensor_parallel_target_cannot_be_fused(pair):
     separate, _ = pair
     with pytest.raises(ValueError, match="tensor parallelism"):
         fused.fuse_projections(separate.replace(qkv_groups=2))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_init_target_fuses_without_holding_every_layer_twice(monkeypatch, stacked):
+    """A fresh random target is fused a layer at a time, each layer's separate matrices dropped as
+    its fused ones are made: the live device bytes never pass the finished tree's by more than one
+    layer's (at 27B scale holding both forms overran an 80 GB GPU)."""
+    from jaxspec.bench import shapes
+
+    config = shapes.target_config(dict(shapes.SMOKE_TARGET, interval=4), 8)
+    real_fuse, peaks = tgt.fuse_layer, []
+
+    def fuse_and_measure(layer):
+        out = real_fuse(layer)
+        peaks.append(sum(a.nbytes for a in jax.live_arrays()))
+        return out
+
+    monkeypatch.setattr(tgt, "fuse_layer", fuse_and_measure)
+    before = sum(a.nbytes for a in jax.live_arrays())
+    target = tgt.init_target(config, jax.random.PRNGKey(3), jnp.bfloat16, fused=True, stacked=stacked)
+    layers = target.params["layer_groups"] if stacked else target.params["layers"]
+    tree_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(target.params))
+    layer_bytes = max(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(layer)) for layer in layers)
+    assert len(peaks) == config.num_hidden_layers and fused.is_fused(target.params)
+    assert max(peaks) - before <= tree_bytes + layer_bytes / (2 if stacked else 1)
