@@ -83,6 +83,7 @@ __all__ = [
     "refit",
     "arrowhead_solve",
     "schur_system",
+    "solve_slopes",
     "trust_scale",
     "refit_calls",
     "FEATURE_CLAMP",
@@ -497,12 +498,16 @@ def schur_system(h_aa, h_ac, h_cc, h_ab, h_cb, h_bb, g_a, g_c, g_b, ridge):
 def arrowhead_solve(h_aa, h_ac, h_cc, h_ab, h_cb, h_bb, g_a, g_c, g_b, ridge):
     """Solve the ridged arrowhead system (`schur_system`; the determinant of S clamped at r^2, its
     floor for a PSD Hessian). -> (da [], dc [], db [P])."""
-    s_aa, s_ac, s_cc, r_a, r_c = schur_system(h_aa, h_ac, h_cc, h_ab, h_cb, h_bb, g_a, g_c, g_b, ridge)
-    det = jnp.maximum(s_aa * s_cc - s_ac * s_ac, ridge * ridge)
-    da = (s_cc * r_a - s_ac * r_c) / det
-    dc = (s_aa * r_c - s_ac * r_a) / det
+    da, dc = solve_slopes(*schur_system(h_aa, h_ac, h_cc, h_ab, h_cb, h_bb, g_a, g_c, g_b, ridge), ridge)
     db = (g_b - h_ab * da - h_cb * dc) / (h_bb + ridge)
     return da, dc, db
+
+
+def solve_slopes(s_aa, s_ac, s_cc, r_a, r_c, ridge):
+    """The slope steps (da [], dc []) of `schur_system`'s 2 x 2 system, by Cramer's rule with the
+    determinant clamped at r^2 (its floor for a PSD Hessian)."""
+    det = jnp.maximum(s_aa * s_cc - s_ac * s_ac, ridge * ridge)
+    return (s_cc * r_a - s_ac * r_c) / det, (s_aa * r_c - s_ac * r_a) / det
 
 
 def trust_scale(da, dc, db, state, live=None):
@@ -532,9 +537,9 @@ def refit(state: EstimatorState) -> EstimatorState:
     n = state.n.astype(jnp.float32)
     f = n / (n + jnp.float32(state.damping))
     stats = (state.h_xx, state.h_xh, state.h_hh, state.h_x, state.h_h, state.h_1, state.g_x, state.g_h, state.g_1)
-    _, s_ac, s_cc, _, r_c = schur_system(*stats, ridge)
-    da, dc, db = arrowhead_solve(*stats, ridge)
-    ok = jnp.isfinite(f) & jnp.isfinite(da) & jnp.isfinite(dc) & _all_finite(db)
+    s_aa, s_ac, s_cc, r_a, r_c = schur_system(*stats, ridge)
+    da, _ = solve_slopes(s_aa, s_ac, s_cc, r_a, r_c, ridge)
+    ok = jnp.isfinite(f) & jnp.isfinite(da)
     a = state.slope
     da = f * da
     for _ in range(MAX_SLOPE_HALVINGS):
