@@ -22,7 +22,7 @@ from jaxspec.argtypes import (
     positive_float,
     positive_int,
 )
-from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET
+from jaxspec.config import DEFAULT_DRAFT, DEFAULT_TARGET, PLANNED_MODES
 
 # What loading or writing a user's file raises (the loaders' errors name the file and the tensor).
 USER_ERRORS = (OSError, ValueError, KeyError, NotImplementedError)
@@ -507,7 +507,7 @@ def _generate(args, parser):
         )
         engine = Engine(target, engine_draft, spec, tokenizer=tokenizer)
         _check_lengths(parser, args, prompts, engine.window)
-        if table is not None and mode in ("cap-accept", "compact"):  # the modes that plan from it
+        if table is not None and mode in PLANNED_MODES:
             _check_table_matches(parser, table, engine.window, spec.trim_draft)
         engine.cost_table = table
         run = lambda: engine.generate(

@@ -520,6 +520,7 @@ DEFAULT_TARGET = os.path.join(MODELS_DIR, "tiny-target")
 DEFAULT_DRAFT = os.path.join(MODELS_DIR, "tiny-dflash")
 
 VERIFY_MODES = ("none", "static", "cap-accept", "compact")
+PLANNED_MODES = ("cap-accept", "compact")  # the verify modes that plan per request from a cost table
 FIRST_REFIT = 2  # the estimator's first early refit call (`estimator.refit_calls`), by default
 PLAN_OVERHEAD = 0.03  # a trimmed step's price beyond its cost-table time, x the full block's (SpecConfig)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxspec import cache as cache_mod
 from jaxspec import parallel
-from jaxspec.config import SpecConfig
+from jaxspec.config import PLANNED_MODES, SpecConfig
 from jaxspec.dflash import Draft
 from jaxspec.ops.sampling import SamplingParams
 from jaxspec.proposer import DFlashProposer, dflash_proposer
@@ -176,8 +176,8 @@ class Engine:
         self.recorder = TraceRecorder() if record_trace and mode != "none" else None
         self.tier_counts = collections.Counter()
         self.tier_dispatch = tier_dispatch
-        self._switch = tier_dispatch == "switch" and mode in ("cap-accept", "compact")
-        self._plans_on_host = mode in ("cap-accept", "compact") and not self._switch
+        self._switch = tier_dispatch == "switch" and mode in PLANNED_MODES
+        self._plans_on_host = mode in PLANNED_MODES and not self._switch
         self._steps_run = 0
         self.totals = collections.Counter()  # over the steps read: steps, rows, verified, tier_tokens
         sim = spec.simulated_acceptance
@@ -367,7 +367,7 @@ class Engine:
             plan = self.tier_planner.device_plan([None] * s, None, self._steps_run)
             out["step switch"] = partial(self._lower_step, slots, plan, False, greedy=greedy, tier=None)
         else:
-            planned = self.spec.verify_mode in ("cap-accept", "compact")
+            planned = self.spec.verify_mode in PLANNED_MODES
             for tier in self.tier_tokens if planned else self.tier_tokens[-1:]:
                 out[f"step {tier}"] = partial(self._lower_step, slots, None, False, greedy=greedy, tier=tier)
         counts = (

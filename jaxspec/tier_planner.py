@@ -12,7 +12,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import SpecConfig
+from jaxspec.config import PLANNED_MODES, SpecConfig
 from jaxspec.spec import estimator, layout
 from jaxspec.spec.planner import CostTable, trim_overhead
 from jaxspec.step import DevicePlan
@@ -62,7 +62,7 @@ class TierPlanner:
 
     @cost_table.setter
     def cost_table(self, table: CostTable | None):
-        if table is not None and self.spec.verify_mode in ("cap-accept", "compact"):  # the modes that read it
+        if table is not None and self.spec.verify_mode in PLANNED_MODES:
             field = timed_for_another_step(table, self.window, self.spec.trim_draft)
             if field == "window":
                 raise ValueError(

@@ -1,6 +1,7 @@
 """results.md: the benchmark's numbers as markdown tables (what README.md's table is made from)."""
 
 from jaxspec.bench.plots import groups
+from jaxspec.config import VERIFY_MODES
 
 
 def _f(v, d=1):
@@ -55,9 +56,7 @@ def markdown(results) -> list[str]:
             "| output tok/s | compact >= others |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for p in sorted(
-            pts, key=lambda p: (p["concurrency"], list(("none", "static", "cap-accept", "compact")).index(p["mode"]))
-        ):
+        for p in sorted(pts, key=lambda p: (p["concurrency"], VERIFY_MODES.index(p["mode"]))):
             ttft = "/".join(_f(p[f"ttft_ms_{q}"]["mean"]) for q in ("mean", "p50", "p99"))
             ok = p.get("not_below_others")
             lines.append(

@@ -32,8 +32,9 @@ from jaxspec.bench import level as level_mod
 from jaxspec.bench.plots import plot
 from jaxspec.bench.report import markdown
 from jaxspec.bench.shapes import MODELS, shapes_of
+from jaxspec.config import VERIFY_MODES
 
-SPEC_MODES = ("static", "cap-accept", "compact")
+SPEC_MODES = VERIFY_MODES[1:]
 
 
 def _list(cast, name):
