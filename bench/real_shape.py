@@ -896,14 +896,15 @@ def compile_lines(info):
     """--compile-only's table: each program's lower and compile seconds per batch and compile group, the
     batch's totals, and the overall total."""
     fmt = lambda v: "–" if v is None else f"{v:.1f}"
+    gb = lambda v: "–" if v is None else f"{v / 1e9:.2f}"
     lines = [
         "## compile (s; lower: tracing + lowering to StableHLO, one program after another; compile: XLA, a "
         f"group's programs in --compile-workers {info['args']['compile_workers']} threads, so they overlap; "
         "wall: the group's, lowering and compiling; pass 2's spec prefill, where it is pass 1's program, comes "
         "from jax's caches in about 0 s)",
         "",
-        "| batch | group | program | lower s | compile s |",
-        "|---|---|---|---|---|",
+        "| batch | group | program | lower s | compile s | XLA temp GB |",
+        "|---|---|---|---|---|---|",
     ]
     totals = info["compile_totals"]
     for b, tot in totals["by_batch"].items():
@@ -911,12 +912,13 @@ def compile_lines(info):
             for name, p in g["programs"].items():
                 err = f" (failed: {p['error'][:80]})" if "error" in p else ""
                 lines.append(
-                    f"| {b} | {g['group']} | {name}{err} | {fmt(p.get('lower_s'))} | {fmt(p.get('compile_s'))} |"
+                    f"| {b} | {g['group']} | {name}{err} | {fmt(p.get('lower_s'))} | {fmt(p.get('compile_s'))} "
+                    f"| {gb(p.get('temp_bytes'))} |"
                 )
-            lines.append(f"| {b} | {g['group']} | wall ({len(g['programs'])} programs) | | {fmt(g['wall_s'])} |")
+            lines.append(f"| {b} | {g['group']} | wall ({len(g['programs'])} programs) | | {fmt(g['wall_s'])} | |")
         lines.append(
             f"| {b} | total | {tot['programs']} programs, wall {fmt(tot['wall_s'])} s | {fmt(tot['lower_s'])} "
-            f"| {fmt(tot['compile_s'])} |"
+            f"| {fmt(tot['compile_s'])} | |"
         )
     lines += [
         "",

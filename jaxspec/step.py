@@ -262,9 +262,10 @@ def _prefill(state: EngineState, target: Target, proposer, tokens, lengths, slot
     the last prompt position's logits are not finite)."""
     r, p = tokens.shape
     taps = proposer.taps if proposer is not None else ()
-    logits, hidden, cache = target_mod.prefill(target, state.cache, tokens, lengths, slots, taps, impl=impl)
+    last, hidden, cache = target_mod.prefill(  # last: [R, vocab]
+        target, state.cache, tokens, lengths, slots, taps, impl=impl, last_logits=True
+    )
     keys = jax.vmap(jax.random.split)(keys)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, vocab]
     probs, ids = sampling.target_distribution(last, params, max_top_k)
     choice = jax.vmap(lambda k, pr: jax.random.categorical(k, jnp.log(pr)))(keys[:, 0], probs)
     sampled = jnp.take_along_axis(ids, choice[:, None], axis=1)[:, 0]

@@ -316,10 +316,15 @@ def _tap_writer(taps, num_layers, period):
 # Prefill
 
 
-def prefill_layers(target: Target, tokens, lengths, taps, impl):
+def prefill_layers(target: Target, tokens, lengths, taps, impl, *, logits_at=None, state_dtypes=None):
     """Whole sequences, no cache. tokens [B, T], lengths [B] -> (logits [B, T, vocab] f32, tapped
     hidden [B, T, n_taps, d], GDN states (conv_state [Lg, B, W-1, C], h [Lg, B, HV, K, V] f32) and
-    attention (k, v) [La, B, T, KVH, D], layers in model order)."""
+    attention (k, v) [La, B, T, KVH, D], layers in model order).
+
+    logits_at [B] int32: the logits of those positions alone, [B, vocab] (the lm_head then reads B
+    rows, not B x T: at 27B shapes [B, T, vocab] in float32 is gigabytes). state_dtypes (conv, h):
+    each layer's GDN states cast as the layer makes them, so the stack over layers is held in the
+    cache's dtypes (48 layers of float32 h at batch 16 are 9 GiB)."""
     params, cfg = target.params, target.config
     period = layer_period(cfg)
     kinds, _, num_gdn, num_attn = _group_layout(cfg, period)
@@ -340,6 +345,8 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl):
                     q, k, v = _gdn_split(cfg, y, target.qkv_groups)
                     h0 = jnp.zeros(v.shape[:1] + (v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
                     o, h = gdn.gdn_chunked(q, k, v, g_, beta, h0, lengths, impl=impl)
+                    if state_dtypes is not None:
+                        conv_state, h = conv_state.astype(state_dtypes[0]), h.astype(state_dtypes[1])
                     gdn_states.append((conv_state, h))
                     return _gdn_out(p, cfg, o, z, xn.dtype)
             else:
@@ -361,20 +368,32 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl):
     if not num_gdn:
         w, c = cfg.linear_conv_kernel_dim - 1, cfg.conv_dim
         hv, kd, vd = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        gdn_states = (jnp.zeros((1, 0, b, w, c), x.dtype), jnp.zeros((1, 0, b, hv, kd, vd), jnp.float32))
+        conv_dtype, h_dtype = state_dtypes or (x.dtype, jnp.float32)
+        gdn_states = (jnp.zeros((1, 0, b, w, c), conv_dtype), jnp.zeros((1, 0, b, hv, kd, vd), h_dtype))
     if not num_attn:
         kv = (jnp.zeros((1, 0, b, t, cfg.num_key_value_heads, cfg.head_dim), x.dtype),) * 2
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
     return _logits(target, x), jnp.moveaxis(hidden[:n_taps], 0, 2), merge(gdn_states), merge(kv)
 
 
-def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), *, impl="auto"):
+def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), *, impl="auto", last_logits=False):
     """Put whole prompts into their slots. tokens [B, T] int32 (rows padded past lengths[b]),
-    lengths [B], slots [B] (0 = padding row) -> (logits [B, T, vocab] f32, hidden [B, T, n_taps, d], cache).
+    lengths [B], slots [B] (0 = padding row) -> (logits [B, T, vocab] f32, hidden [B, T, n_taps, d], cache);
+    last_logits=True: the logits of each row's last prompt position alone, [B, vocab].
 
     Each slot gets its SSM checkpoint, conv state and K/V at positions 0..len-1; write_pos = 0,
     seq_len = len. Requires T <= cache max_len.
     """
-    logits, hidden, (conv_state, h), (k, v) = prefill_layers(target, tokens, lengths, taps, impl)
+    logits, hidden, (conv_state, h), (k, v) = prefill_layers(
+        target,
+        tokens,
+        lengths,
+        taps,
+        impl,
+        logits_at=lengths - 1 if last_logits else None,
+        state_dtypes=(cache.conv_state.dtype, cache.ckpt.dtype),
+    )
     rows = jnp.where(slots > 0, slots, cache.seq_len.shape[0])  # [B]; out of range: dropped
     t = tokens.shape[1]
     keep = jnp.arange(t)[None, :] < lengths[:, None]

@@ -61,6 +61,29 @@ def test_ragged_prefill_matches_single_sequences(model):
     assert not np.any(np.asarray(state.ckpt[:, 0])), "prefill wrote the null slot"
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_prefill_last_logits_are_the_last_rows(model, state_dtype):
+    """last_logits=True gives each row's last prompt position alone, and the same cache."""
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, model.config.vocab_size, n) for n in (9, 31, 1)]
+    cfg = CacheConfig(num_slots=3, max_len=40, window=8, state_dtype=state_dtype)
+    state = cache_mod.init_cache(model.config, cfg)
+    tokens = np.zeros((3, 31), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, : len(seq)] = seq
+    args = (model, state, jnp.asarray(tokens), jnp.array([9, 31, 1], jnp.int32), jnp.array([2, 3, 1], jnp.int32))
+    full, _, want = tgt.prefill(*args)
+    last, _, got = tgt.prefill(*args, last_logits=True)
+    assert last.shape == (3, model.config.vocab_size) and last.dtype == jnp.float32
+    for i, seq in enumerate(seqs):
+        np.testing.assert_allclose(np.asarray(last[i]), np.asarray(full[i, len(seq) - 1]), rtol=1e-5, atol=1e-5)
+    assert got.ckpt.dtype == jnp.dtype(state_dtype)
+    for name, a in zip(
+        ("ckpt", "conv_state", "k_cache", "v_cache"), (got.ckpt, got.conv_state, got.k_cache, got.v_cache)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(getattr(want, name)), err_msg=name)
+
+
 @pytest.mark.parametrize("ring_dtype", ["float32", "bfloat16"])
 def test_verify_after_prefill_equals_whole_prefill(model, ring_dtype):
     """Packed ragged windows (a padding request on slot 0, padding rows) give the logits that a

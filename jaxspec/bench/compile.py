@@ -11,7 +11,9 @@ def precompile(jobs, workers):
     holds the GIL) and handed at once to a pool of `workers` threads that compile (XLA compiles
     outside the GIL, so compiles overlap each other and the next lowering). The calls then find
     the executables in jax's caches. Returns {name: {"lower_s", "compile_s" (wall of that
-    compile, overlapping the others), "compiled" (jax.stages.Compiled) or "error"}}."""
+    compile, overlapping the others), "temp_bytes" (XLA's scratch buffers of the program beyond its
+    arguments and outputs, None where the backend does not say), "compiled" (jax.stages.Compiled) or
+    "error"}}."""
 
     def compile_one(low):
         t = time.perf_counter()
@@ -19,7 +21,10 @@ def precompile(jobs, workers):
             compiled = low.compile()
         except Exception as e:  # noqa: BLE001 - the call compiles it instead
             return {"error": repr(e)[:300]}
-        return {"compile_s": time.perf_counter() - t, "compiled": compiled}
+        seconds = time.perf_counter() - t
+        memory = compiled.memory_analysis()
+        temp = None if memory is None else memory.temp_size_in_bytes
+        return {"compile_s": seconds, "temp_bytes": temp, "compiled": compiled}
 
     out, futures = {}, {}
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
