@@ -324,7 +324,7 @@ def prefill_layers(target: Target, tokens, lengths, taps, impl, *, logits_at=Non
     logits_at [B] int32: the logits of those positions alone, [B, vocab] (the lm_head then reads B
     rows, not B x T: at 27B shapes [B, T, vocab] in float32 is gigabytes). state_dtypes (conv, h):
     each layer's GDN states cast as the layer makes them, so the stack over layers is held in the
-    cache's dtypes (48 layers of float32 h at batch 16 are 9 GiB)."""
+    cache's dtypes (48 layers of float32 h at 27B shapes and batch 32 are 9 GiB)."""
     params, cfg = target.params, target.config
     period = layer_period(cfg)
     kinds, _, num_gdn, num_attn = _group_layout(cfg, period)
