@@ -316,65 +316,83 @@ def _tap_writer(taps, num_layers, period):
 # Prefill
 
 
-def prefill_layers(target: Target, tokens, lengths, taps, impl, *, logits_at=None, state_dtypes=None):
-    """Whole sequences, no cache. tokens [B, T], lengths [B] -> (logits [B, T, vocab] f32, tapped
-    hidden [B, T, n_taps, d], GDN states (conv_state [Lg, B, W-1, C], h [Lg, B, HV, K, V] f32) and
-    attention (k, v) [La, B, T, KVH, D], layers in model order).
+def _prefill_run(target: Target, tokens, lengths, taps, impl, logits_at, states, write_gdn, write_attn):
+    """The layers over whole sequences; each layer's states go into `states` as it makes them.
 
-    logits_at [B] int32: the logits of those positions alone, [B, vocab] (the lm_head then reads B
-    rows, not B x T: at 27B shapes [B, T, vocab] in float32 is gigabytes). state_dtypes (conv, h):
-    each layer's GDN states cast as the layer makes them, so the stack over layers is held in the
-    cache's dtypes (48 layers of float32 h at 27B shapes and batch 32 are 9 GiB)."""
+    states: a dict of arrays carried through the layers; write_gdn(states, gi, conv_state, h) and
+    write_attn(states, ai, k, v) return it with GDN layer gi's / attention layer ai's states put in
+    (gi, ai: the layer's index among its kind, a traced scalar). -> (logits, tapped hidden
+    [B, T, n_taps, d], states). Writing into the carry, not stacking the layers' outputs, keeps
+    one copy of the states: at 27B shapes and batch 32 the 48 layers' h are 2.4 GB in bf16."""
     params, cfg = target.params, target.config
     period = layer_period(cfg)
-    kinds, _, num_gdn, num_attn = _group_layout(cfg, period)
+    kinds, rank, num_gdn, num_attn = _group_layout(cfg, period)
     n_taps, write_tap = _tap_writer(taps, cfg.num_hidden_layers, period)
     x = params["embed"][tokens]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     valid = positions < lengths[:, None]  # [B, T]
 
     def body(carry, g, group):
-        x, hidden = carry
-        gdn_states, kv = [], []
+        x, states, hidden = carry
+        box = [states]
         for j, layer in enumerate(group):
             if kinds[j] == "linear_attention":
 
-                def mixer(xn, p=layer["gdn"]):
+                def mixer(xn, p=layer["gdn"], gi=g * num_gdn + rank[j]):
                     qkv, z, g_, beta = _gdn_in(p, cfg, xn)
                     y, conv_state = conv.conv_prefill(qkv, p["conv"], lengths, impl=impl)
                     q, k, v = _gdn_split(cfg, y, target.qkv_groups)
                     h0 = jnp.zeros(v.shape[:1] + (v.shape[2], q.shape[-1], v.shape[-1]), jnp.float32)
                     o, h = gdn.gdn_chunked(q, k, v, g_, beta, h0, lengths, impl=impl)
-                    if state_dtypes is not None:
-                        conv_state, h = conv_state.astype(state_dtypes[0]), h.astype(state_dtypes[1])
-                    gdn_states.append((conv_state, h))
+                    box[0] = write_gdn(box[0], gi, conv_state, h)
                     return _gdn_out(p, cfg, o, z, xn.dtype)
             else:
 
-                def mixer(xn, p=layer["attn"]):
+                def mixer(xn, p=layer["attn"], ai=g * num_attn + rank[j]):
                     q, gate, k, v = _attn_in(p, cfg, xn, positions)
-                    kv.append((k, v))
+                    box[0] = write_attn(box[0], ai, k, v)
                     return _attn_out(p, attention.attention_prefill(q, k, v, lengths, impl=impl), gate)
 
             x = _block(layer, cfg, x, mixer, valid, impl)
             hidden = write_tap(hidden, x, g, j)
-        stack = lambda pairs: tuple(jnp.stack(parts) for parts in zip(*pairs))
-        return (x, hidden), (stack(gdn_states), stack(kv))
+        return (x, box[0], hidden), None
 
     hidden = jnp.zeros((n_taps + 1,) + x.shape, x.dtype)
-    (x, hidden), (gdn_states, kv) = _over_groups(target, body, (x, hidden))
-    merge = lambda parts: tuple(a.reshape((-1,) + a.shape[2:]) for a in parts)  # [G, n, ...] -> [G*n, ...]
-    b, t = tokens.shape
-    if not num_gdn:
-        w, c = cfg.linear_conv_kernel_dim - 1, cfg.conv_dim
-        hv, kd, vd = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_dtype, h_dtype = state_dtypes or (x.dtype, jnp.float32)
-        gdn_states = (jnp.zeros((1, 0, b, w, c), conv_dtype), jnp.zeros((1, 0, b, hv, kd, vd), h_dtype))
-    if not num_attn:
-        kv = (jnp.zeros((1, 0, b, t, cfg.num_key_value_heads, cfg.head_dim), x.dtype),) * 2
+    (x, states, hidden), _ = _over_groups(target, body, (x, states, hidden))
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]  # [B, d]
-    return _logits(target, x), jnp.moveaxis(hidden[:n_taps], 0, 2), merge(gdn_states), merge(kv)
+    return _logits(target, x), jnp.moveaxis(hidden[:n_taps], 0, 2), states
+
+
+def prefill_layers(target: Target, tokens, lengths, taps, impl, *, logits_at=None):
+    """Whole sequences, no cache. tokens [B, T], lengths [B] -> (logits [B, T, vocab] f32, tapped
+    hidden [B, T, n_taps, d], GDN states (conv_state [Lg, B, W-1, C], h [Lg, B, HV, K, V] f32) and
+    attention (k, v) [La, B, T, KVH, D], layers in model order).
+
+    logits_at [B] int32: the logits of those positions alone, [B, vocab] (the lm_head then reads B
+    rows, not B x T: at 27B shapes [B, T, vocab] in float32 is gigabytes)."""
+    cfg = target.config
+    b, t = tokens.shape
+    num_gdn = cfg.layer_types.count("linear_attention")
+    num_attn = cfg.num_hidden_layers - num_gdn
+    hv, kd, vd = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dtype = target.params["embed"].dtype
+    states = dict(
+        conv_state=jnp.zeros((num_gdn, b, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+        h=jnp.zeros((num_gdn, b, hv, kd, vd), jnp.float32),
+        k=jnp.zeros((num_attn, b, t, cfg.num_key_value_heads, cfg.head_dim), dtype),
+        v=jnp.zeros((num_attn, b, t, cfg.num_key_value_heads, cfg.head_dim), dtype),
+    )
+    put = lambda a, i, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0)
+
+    def write_gdn(s, gi, conv_state, h):
+        return dict(s, conv_state=put(s["conv_state"], gi, conv_state), h=put(s["h"], gi, h))
+
+    def write_attn(s, ai, k, v):
+        return dict(s, k=put(s["k"], ai, k), v=put(s["v"], ai, v))
+
+    logits, hidden, s = _prefill_run(target, tokens, lengths, taps, impl, logits_at, states, write_gdn, write_attn)
+    return logits, hidden, (s["conv_state"], s["h"]), (s["k"], s["v"])
 
 
 def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), *, impl="auto", last_logits=False):
@@ -383,26 +401,33 @@ def prefill(target: Target, cache: CacheState, tokens, lengths, slots, taps=(), 
     last_logits=True: the logits of each row's last prompt position alone, [B, vocab].
 
     Each slot gets its SSM checkpoint, conv state and K/V at positions 0..len-1; write_pos = 0,
-    seq_len = len. Requires T <= cache max_len.
+    seq_len = len. Requires T <= cache max_len. Each layer writes its states into the cache as it
+    makes them, in the cache's dtypes: no stack over the layers is held.
     """
-    logits, hidden, (conv_state, h), (k, v) = prefill_layers(
-        target,
-        tokens,
-        lengths,
-        taps,
-        impl,
-        logits_at=lengths - 1 if last_logits else None,
-        state_dtypes=(cache.conv_state.dtype, cache.ckpt.dtype),
-    )
     rows = jnp.where(slots > 0, slots, cache.seq_len.shape[0])  # [B]; out of range: dropped
     t = tokens.shape[1]
     keep = jnp.arange(t)[None, :] < lengths[:, None]
-    at = (slice(None), jnp.where(keep, rows[:, None], cache.seq_len.shape[0]), jnp.arange(t)[None, :])
+    at = (jnp.where(keep, rows[:, None], cache.seq_len.shape[0]), jnp.arange(t)[None, :])  # [B, T] each
+
+    def write_gdn(s, gi, conv_state, h):
+        return dict(
+            s,
+            ckpt=s["ckpt"].at[gi, rows].set(h.astype(s["ckpt"].dtype), mode="drop"),
+            conv_state=s["conv_state"].at[gi, rows].set(conv_state.astype(s["conv_state"].dtype), mode="drop"),
+        )
+
+    def write_attn(s, ai, k, v):
+        return dict(
+            s,
+            k_cache=s["k_cache"].at[(ai,) + at].set(k.astype(s["k_cache"].dtype), mode="drop"),
+            v_cache=s["v_cache"].at[(ai,) + at].set(v.astype(s["v_cache"].dtype), mode="drop"),
+        )
+
+    states = {f: getattr(cache, f) for f in ("ckpt", "conv_state", "k_cache", "v_cache")}
+    logits_at = lengths - 1 if last_logits else None
+    logits, hidden, states = _prefill_run(target, tokens, lengths, taps, impl, logits_at, states, write_gdn, write_attn)
     cache = cache.replace(
-        ckpt=cache.ckpt.at[:, rows].set(h.astype(cache.ckpt.dtype), mode="drop"),
-        conv_state=cache.conv_state.at[:, rows].set(conv_state.astype(cache.conv_state.dtype), mode="drop"),
-        k_cache=cache.k_cache.at[at].set(k.astype(cache.k_cache.dtype), mode="drop"),
-        v_cache=cache.v_cache.at[at].set(v.astype(cache.v_cache.dtype), mode="drop"),
+        **states,
         write_pos=packing.scatter_slots(cache.write_pos, slots, jnp.zeros_like(slots)),
         seq_len=packing.scatter_slots(cache.seq_len, slots, lengths),
     )

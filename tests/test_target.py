@@ -167,3 +167,30 @@ def test_verify_commit_with_kernels_equals_reference(model, fold_policy, ring_dt
         np.testing.assert_array_equal(
             np.asarray(getattr(states["pallas"], name)), np.asarray(getattr(states["ref"], name)), name
         )
+
+
+def test_prefill_holds_no_stack_of_layer_states():
+    """prefill writes each layer's GDN states into the cache as it makes them: XLA's temporary
+    memory of the compiled prefill does not grow with the layer count (the stacked-groups scan,
+    where the program holds one group whatever their number; a stack over the layers would add
+    one [B, HV, K, V] float32 state, 2 MiB here, per GDN layer)."""
+    from jaxspec.bench.shapes import target_config
+
+    shape = dict(
+        vocab=64, hidden=64, intermediate=64, interval=4, heads=2, kv_heads=1, head_dim=16, rotary=0.25,
+        rope_theta=1e4, gdn_k_heads=4, gdn_v_heads=8, gdn_dim=64, conv=4, eps=1e-6,
+    )  # fmt: skip
+    batch, width = 16, 8
+    state_bytes = batch * 8 * 64 * 64 * 4
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+
+    def temp_bytes(layers):
+        cfg = target_config(shape, layers)
+        model = jax.eval_shape(lambda: tgt.init_target(cfg, jax.random.key(0), stacked=True))
+        cache = jax.eval_shape(lambda: cache_mod.init_cache(cfg, CacheConfig(num_slots=batch, max_len=16, window=4)))
+        run = jax.jit(partial(tgt.prefill, last_logits=True, impl="ref"), donate_argnums=1)
+        compiled = run.lower(model, cache, i32(batch, width), i32(batch), i32(batch)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    grown = temp_bytes(16) - temp_bytes(8)  # 6 more GDN layers
+    assert grown < state_bytes, f"16 layers hold {grown / 2**20:.1f} MiB more temporaries than 8"
