@@ -23,8 +23,21 @@ def in_child() -> bool:
     return os.environ.get(CHILD_ENV) == "1"
 
 
+O0 = "--xla_backend_optimization_level=0"
+
+
+def with_xla_flags(*flags) -> dict:
+    """{"XLA_FLAGS": this process's XLA_FLAGS with `flags` added}, for `run_module`'s extra_env."""
+    return {"XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()}
+
+
 def run_module(path, *, extra_env=None, crash_retries=0, timeout=1800) -> subprocess.CompletedProcess:
-    """pytest -q on `path` in a child process (CHILD_ENV set, `extra_env` added); its result."""
+    """pytest -q on `path` in a child process (CHILD_ENV set, `extra_env` added); its result.
+
+    The child modules are mostly compilation (engines of many configurations, tiny models): with
+    XLA:CPU codegen at -O0 (`with_xla_flags(O0)`) test_parallel took 403 s instead of 571 and
+    test_spec_modes 358 instead of 540 (2 cores, 2026-12-07). A module that mostly executes (the
+    sampling tests' thousands of requests) runs slower at -O0: 251 s -> over 330."""
     env = {**os.environ, CHILD_ENV: "1", **(extra_env or {})}
     for attempt in range(crash_retries + 1):
         result = subprocess.run(

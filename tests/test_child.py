@@ -61,3 +61,18 @@ def test_the_child_knows_it_is_one(tmp_path, monkeypatch):
     assert not child.in_child()
     result = child.run_module(str(path), extra_env={"PYTHONPATH": str(Path(__file__).parent)})
     assert result.returncode == 0, child.verdict(result)
+
+
+READS_FLAGS = """
+import os
+
+def test_sees_the_flags():
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_hlo_as_text", "--xla_backend_optimization_level=0"]
+"""
+
+
+def test_a_child_gets_the_parents_xla_flags_and_the_added_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    path = write(tmp_path, "test_reads_flags.py", READS_FLAGS)
+    result = child.run_module(str(path), extra_env=child.with_xla_flags(child.O0))
+    assert result.returncode == 0 and " passed" in result.stdout, child.verdict(result)

@@ -10,7 +10,6 @@ child pytest with the flag (`test_cases_on_four_cpu_devices`) and skips the case
 
 import collections
 import dataclasses
-import os
 import re
 
 import child
@@ -39,8 +38,7 @@ needs_four = pytest.mark.skipif(len(jax.devices()) < 4, reason="runs in test_cas
 
 @pytest.mark.skipif(len(jax.devices()) >= 4, reason="the cases run in this process")
 def test_cases_on_four_cpu_devices():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {FOUR_DEVICES}".strip()
-    result = child.run_module(__file__, extra_env={"XLA_FLAGS": flags})
+    result = child.run_module(__file__, extra_env=child.with_xla_flags(FOUR_DEVICES, child.O0))
     assert result.returncode == 0, child.verdict(result)
     assert " passed" in result.stdout and " skipped" in result.stdout  # the cases ran, this wrapper skipped
 

@@ -29,7 +29,7 @@ in_child = pytest.mark.skipif(not child.in_child(), reason="runs in test_cases_i
 
 @pytest.mark.skipif(child.in_child(), reason="the cases run in this process")
 def test_cases_in_a_child_process():
-    result = child.run_module(__file__, crash_retries=1)
+    result = child.run_module(__file__, extra_env=child.with_xla_flags(child.O0), crash_retries=1)
     assert result.returncode == 0, child.verdict(result)
     assert " passed" in result.stdout and " skipped" in result.stdout  # the cases ran, this wrapper skipped
 
