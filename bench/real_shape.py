@@ -783,49 +783,41 @@ def main(args):
                 notes.append(f"batch {b}: precompile of {k} failed ({v['error'][:200]}); its first call compiles it")
         return out
 
+    def pass1_case(engine, b, tokens, prefill_name, row_key):
+        """Compile `engine`'s prefill and its step at `tokens` verify tokens, then time the step
+        into rows[b][row_key] (with --compile-only, print the compile line instead)."""
+        mode = engine.spec.verify_mode
+        step_name = f"{mode} step"
+        pre = compile_group(
+            b,
+            [
+                (prefill_name, lambda: lower_prefill(engine, b, args.prompt_len)),
+                (step_name, lambda: lower_step(engine, b, tokens, greedy)),
+            ],
+            f"pass 1 {mode}",
+        )
+        if args.compile_only:
+            info["concrete_leaves"] += concrete_leaves(engine.state, engine.target, engine.proposer)
+            print(compile_line(dump(), b), flush=True)
+        elif not over_budget():
+            rows[b][row_key] = guarded(
+                f"batch {b} {mode}", case, engine, b, tokens, True, mode != "none", pre.get(step_name, {})
+            )
+            print(row_line(dump(), b), flush=True)
+
     def pass1(b):
         """Batch b: none, then spec full (the static step), with their breakdowns. One engine's state
         is on the device at a time (64 layers at batch 64: ~10 GB each beside 57 GB of weights)."""
         if "none" in modes:
             none = Engine(target, None, spec_config("none", b, args))
-            pre = compile_group(
-                b,
-                [
-                    ("none prefill", lambda: lower_prefill(none, b, args.prompt_len)),
-                    ("none step", lambda: lower_step(none, b, b, greedy)),
-                ],
-                "pass 1 none",
-            )
-            if args.compile_only:
-                info["concrete_leaves"] += concrete_leaves(none.state, none.target, none.proposer)
-                print(compile_line(dump(), b), flush=True)
-            elif not over_budget():
-                rows[b]["none"] = guarded(f"batch {b} none", case, none, b, b, True, False, pre.get("none step", {}))
-                print(row_line(dump(), b), flush=True)
+            pass1_case(none, b, b, "none prefill", "none")
             del none  # its state off the device before the next engine's
         if "spec" not in modes:
             return
         static = Engine(target, draft, spec_config("static", b, args))
         rows[b]["ladder"] = list(static.tier_tokens)
-        if len(static.tier_tokens) - 1 not in tiers_chosen(static.tier_tokens):
-            return
-        full = static.tier_tokens[-1]
-        pre = compile_group(
-            b,
-            [
-                ("spec prefill", lambda: lower_prefill(static, b, args.prompt_len)),
-                ("static step", lambda: lower_step(static, b, full, greedy)),
-            ],
-            "pass 1 static",
-        )
-        if args.compile_only:
-            info["concrete_leaves"] += concrete_leaves(static.state, static.target, static.proposer)
-            print(compile_line(dump(), b), flush=True)
-        elif not over_budget():
-            rows[b]["spec_full"] = guarded(
-                f"batch {b} static", case, static, b, full, True, True, pre.get("static step", {})
-            )
-            print(row_line(dump(), b), flush=True)
+        if len(static.tier_tokens) - 1 in tiers_chosen(static.tier_tokens):
+            pass1_case(static, b, static.tier_tokens[-1], "spec prefill", "spec_full")
 
     def pass2(b):
         """Batch b: the compact step per tier (the full tier only with --compact-full: static covers it)."""
