@@ -139,10 +139,13 @@ def _chunk_step(h0, chunk):
 
 
 def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
-    """Chunked (WY / UT) gated delta rule over whole sequences, chunks of `chunk` tokens.
+    """Chunked (WY / UT) gated delta rule over whole sequences, chunks of min(`chunk`, T) tokens
+    (the kernel: its own chunk size).
 
     Shapes as gdn_recurrent; lengths [B] or None (all T). Positions t >= lengths[b] leave the
     state unchanged and output 0. Returns (o [B, T, HV, V] float32, h [B, HV, K, V] float32).
+    A short sequence is one chunk of its own length: padding a 4-token prompt to 64 made a
+    512-row prefill ~25x slower on the CPU (the intra-chunk solve grows with the chunk squared).
     """
     if tp.size() > 1:
         heads = tp.split(4, 2)
@@ -154,6 +157,7 @@ def gdn_chunked(q, k, v, g, beta, h0, lengths=None, *, chunk=64, impl="auto"):
     if use_kernel("gdn_chunked", impl, lambda: pallas_chunked.supports(q, k, v, g, beta, h0, lengths)):
         return pallas_chunked.gdn_chunked(q, k, v, g, beta, h0, lengths)  # its own chunk size
     b, t, hv, _ = v.shape
+    chunk = max(1, min(chunk, t))
     lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
     valid = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
     n_chunks = -(-t // chunk)
