@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
 
 demo: venv
 	$(VENV)/bin/jaxspec generate --block-size 8 --trim-draft --warmup --repeats 5 --compare-none --max-new-tokens 128 --num-slots 1 --max-len 512 \
