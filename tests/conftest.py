@@ -116,7 +116,7 @@ def pytest_terminal_summary(terminalreporter):
             os.remove(os.path.join(folder, name))
     terminalreporter.write_line(
         f"XLA compilation cache ({folder}): {total['hits']} hits, {total['misses']} misses, "
-        f"~{total['saved_s']:.0f} s of compilation saved"
+        f"~{round(total['saved_s'])} s of compilation saved"
     )
 
 
