@@ -11,7 +11,7 @@ that lives across sessions); otherwise the session makes a temporary one and rem
 Every loaded XLA:CPU executable holds memory mappings of its own (about 20 for a small program,
 hundreds for an engine step), and the jitted steps and prefills that engines share
 (`step.jitted_step`, `step.jitted_prefill`) keep theirs for the life of the process: an xdist
-worker that ran a few dozen modules held over 40,000 mappings, and at the kernel's limit
+worker that ran a few dozen modules held ~50,000 mappings, and at the kernel's limit
 (vm.max_map_count, 65,530) the next compilation cannot map its code and the worker dies of a
 segfault in `backend_compile_and_load`. So every module ends by dropping those factories and
 jax's caches; a later module that compiles the same program reads it back from the disk cache.
@@ -104,8 +104,10 @@ def pytest_sessionfinish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
+    """Summed only by the process that began the session (not a worker, not a child pytest, which
+    would take the other processes' counts away from it)."""
     folder = os.environ.get(CACHE_ENV, "")
-    if not os.path.isdir(folder) or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not os.path.isdir(folder) or os.environ[SESSION_ENV] != f"stats-{os.getpid()}-":
         return
     total = {"hits": 0, "misses": 0, "saved_s": 0.0}
     for name in os.listdir(folder):
